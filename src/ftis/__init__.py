@@ -1,0 +1,3 @@
+"""ftis: collaborative post-training of different LLMs with F-TIS."""
+
+__version__ = "0.1.0"
