@@ -1,0 +1,149 @@
+"""The `ftis` command line. Thin: parse, configure logging, call the library, render results."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+import yaml
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=(
+    "ftis: collaborative GRPO post-training of different LLMs with F-TIS."))
+console = Console(stderr=True)
+
+
+def _setup_logging(verbose: bool) -> None:
+    handler = RichHandler(console=console, show_path=False, rich_tracebacks=False)
+    logger = logging.getLogger("ftis")
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.DEBUG if verbose else logging.INFO)
+    logger.propagate = False
+    for noisy in ("transformers", "peft", "torch"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    console.print(f"[bold red]error:[/] {msg}")
+    raise typer.Exit(code)
+
+
+def _print_table(header: list[str], body: list[list[str]], title: str) -> None:
+    table = Table(title=title)
+    for h in header:
+        table.add_column(h)
+    for row in body:
+        table.add_row(*row)
+    Console().print(table)
+
+
+@app.command()
+def run(
+    config: Annotated[Path | None, typer.Argument(help="YAML config; omit for the embedded default.")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a field: --set train.steps=20 (repeatable).")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Run directory (default runs/<name>).")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory.")] = False,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
+) -> None:
+    """Train: warm start (cached), then RL with F-TIS. Writes metrics, checkpoints and a report."""
+    _setup_logging(verbose)
+    from ftis.config import ConfigError, load_config
+    from ftis.models.loading import ModelLoadError
+    from ftis.tasks import TaskDataError
+
+    try:
+        cfg = load_config(config, set_ or [])
+    except ConfigError as e:
+        _fail(str(e))
+    run_dir = out or Path("runs") / cfg.name
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not overwrite:
+            _fail(f"run directory {run_dir} already exists and is not empty; pass --overwrite to "
+                  "replace it or --out DIR to write elsewhere")
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+    from ftis.launch import run_local
+
+    try:
+        run_local(cfg, run_dir, console=console)
+    except (ModelLoadError, TaskDataError, ConfigError) as e:
+        _fail(str(e))
+    _finish(run_dir)
+
+
+def _finish(run_dir: Path) -> None:
+    from ftis.report import load_rows, summary_table, write_report
+
+    report = write_report(run_dir)
+    header, body = summary_table(load_rows(run_dir))
+    _print_table(header, body, title=f"ftis run {run_dir.name}")
+    console.print(f"report: {report}")
+
+
+@app.command()
+def report(run_dir: Annotated[Path, typer.Argument(help="A run directory written by `ftis run`.")]) -> None:
+    """Redraw report.md and the PNG plots of a run from its metrics.jsonl."""
+    _setup_logging(False)
+    from ftis.report import ReportError
+
+    try:
+        _finish(run_dir)
+    except ReportError as e:
+        _fail(str(e))
+
+
+@app.command()
+def compare(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Two or more run directories.")],
+    out: Annotated[Path, typer.Option("--out", help="Output PNG.")] = Path("compare.png"),
+) -> None:
+    """Overlay the accuracy curves of several runs in one plot and print their summaries."""
+    _setup_logging(False)
+    from ftis.report import ReportError, compare_runs, load_rows, summary_table
+
+    try:
+        for d in run_dirs:
+            header, body = summary_table(load_rows(d))
+            _print_table(header, body, title=str(d))
+        compare_runs(run_dirs, out)
+    except ReportError as e:
+        _fail(str(e))
+    console.print(f"plot: {out}")
+
+
+@app.command()
+def presets() -> None:
+    """List the tiny built-in model presets."""
+    from ftis.models.loading import ModelConfig, build_model, count_parameters
+    from ftis.models.presets import PRESETS
+
+    table = Table(title="tiny presets (character tokenizer)")
+    for h in ("name", "arch", "layers", "hidden", "parameters"):
+        table.add_column(h)
+    for name, p in PRESETS.items():
+        _, total = count_parameters(build_model(ModelConfig(preset=name)))
+        table.add_row(name, p.arch, str(p.layers), str(p.hidden), f"{total / 1e6:.2f}M")
+    Console().print(table)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""The run configuration: one typed, validated object built from YAML plus `--set` overrides.
+
+Each component owns its own config class (models, tasks, warm start); this module composes them.
+Configs are validated once here and never passed into `ftis.core` math.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ftis.core.losses import LOSS_METHODS
+from ftis.models.loading import ModelConfig
+from ftis.tasks import ArithmeticTaskConfig, TaskConfig
+from ftis.warmstart import WarmStartConfig
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
+
+
+class ConfigError(ValueError):
+    """A config is invalid; the message names the field, the problem and the fix."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LossConfig(_Strict):
+    """The policy loss (docs/math.md §3-5)."""
+
+    method: str = Field("f-tis", description="One of nois, vis (= grpo), tis, f-nois, f-vis, f-tis.")
+    is_cap: float = Field(2.0, gt=0, description="C: cap on the per-token IS weight (tis).")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range (vis).")
+    filter_threshold: float = Field(50.0, ge=0, description="g: divergence threshold of the filter.")
+    advantage_scale: Literal["std", "none"] = Field(
+        "std", description="'std' divides by the group's std; 'none' is the authors' code."
+    )
+    filter_stat_norm: Literal["sequence", "padded"] = Field(
+        "sequence", description="Average the filter statistic over a sequence's own tokens or the padded width."
+    )
+    filter_mode: Literal["zero", "drop"] = Field(
+        "zero", description="'zero' keeps filtered sequences in N with advantage 0; 'drop' removes them."
+    )
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, v: str) -> str:
+        if v not in LOSS_METHODS:
+            raise ValueError(f"unknown loss method {v!r}; choose one of: {', '.join(LOSS_METHODS)}")
+        return v
+
+
+class OptimConfig(_Strict):
+    name: Literal["adamw", "adam"] = Field("adamw", description="Optimizer.")
+    lr: float = Field(2e-4, gt=0, description="Learning rate (constant, no schedule, as in the paper).")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (adamw).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
+
+
+class NodeConfig(_Strict):
+    """One peer: its own model, optimizer and loss."""
+
+    name: str = Field(description="Unique name; also the node's folder under nodes/.")
+    model: ModelConfig = Field(description="The model this node trains.")
+    warm_start: WarmStartConfig | None = Field(
+        None, description="Supervised warm start before RL (tiny presets need one)."
+    )
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", v):
+            raise ValueError(
+                f"node name {v!r} must be 1-64 letters, digits, '_', '-' or '.', starting with a "
+                "letter or digit (it names a folder)"
+            )
+        return v
+
+
+class TrainConfig(_Strict):
+    steps: int = Field(60, ge=0, description="RL steps (one optimizer step per generation round).")
+    prompts_per_step: int = Field(16, ge=1, description="Prompts per step, split among nodes when sharing vertically.")
+    group_size: int = Field(8, ge=2, description="G: completions per prompt (>= 2 for a group baseline).")
+    max_new_tokens: int = Field(8, ge=1, description="Completion length limit.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    micro_batch_size: int = Field(0, ge=0, description="Sequences per forward/backward; 0 = whole batch.")
+    seed: int = Field(0, description="Seed of prompt order and sampling.")
+
+
+class EvalConfig(_Strict):
+    every: int = Field(10, ge=0, description="Evaluate every k steps (and at step 0 and the end); 0 = only then.")
+    size: int = Field(256, ge=1, description="At most this many problems per eval split.")
+    batch_size: int = Field(256, ge=1, description="Sequences per generation batch in eval.")
+    pass_k: list[int] = Field(default_factory=lambda: [1, 4], description="k values for pass@k.")
+    pass_samples: int = Field(8, ge=0, description="Samples per problem for pass@k; 0 disables it.")
+    pass_problems: int = Field(64, ge=1, description="Problems used for pass@k.")
+
+    @model_validator(mode="after")
+    def _k_le_n(self) -> EvalConfig:
+        if self.pass_samples and any(k < 1 or k > self.pass_samples for k in self.pass_k):
+            raise ValueError(
+                f"eval.pass_k values {self.pass_k} must be between 1 and eval.pass_samples "
+                f"({self.pass_samples})"
+            )
+        return self
+
+
+class SharingConfig(_Strict):
+    scheme: Literal["vertical", "horizontal"] = Field(
+        "vertical", description="vertical: each node generates whole groups; horizontal: mixed groups."
+    )
+
+
+class CheckpointConfig(_Strict):
+    every: int = Field(0, ge=0, description="Save every k steps; 0 = only at the end.")
+    keep: int = Field(2, ge=1, description="How many checkpoints to keep per node.")
+
+
+class LogConfig(_Strict):
+    tensorboard: bool = Field(False, description="Also write TensorBoard event files.")
+    progress: bool = Field(True, description="Show a progress bar.")
+
+
+class RunConfig(_Strict):
+    """Everything a run needs. Written, fully resolved, to RUN_DIR/config.yaml."""
+
+    name: str = Field("ftis", description="Run name; the default output is runs/<name>.")
+    task: TaskConfig = Field(default_factory=ArithmeticTaskConfig)
+    nodes: list[NodeConfig] = Field(min_length=1, description="The peers.")
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    sharing: SharingConfig = Field(default_factory=SharingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> RunConfig:
+        names = [n.name for n in self.nodes]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"node names must be unique; repeated: {', '.join(dup)}")
+        return self
+
+
+def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    cur: Any = data
+    for i, k in enumerate(keys[:-1]):
+        nxt_is_index = keys[i + 1].isdigit()
+        if isinstance(cur, list):
+            idx = int(k)
+            if idx >= len(cur):
+                raise ConfigError(f"--set {dotted}: index {idx} is out of range ({len(cur)} items)")
+            cur = cur[idx]
+            continue
+        if k not in cur or cur[k] is None:
+            cur[k] = [] if nxt_is_index else {}
+        cur = cur[k]
+    last = keys[-1]
+    if isinstance(cur, list):
+        idx = int(last)
+        if idx >= len(cur):
+            raise ConfigError(f"--set {dotted}: index {idx} is out of range ({len(cur)} items)")
+        cur[idx] = value
+    else:
+        cur[last] = value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `key.sub=value` strings; values are parsed as YAML (numbers, lists, null...)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.steps=20")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not re.fullmatch(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*", key):
+            raise ConfigError(f"--set {item!r}: {key!r} is not a dotted key like train.steps")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML ({e})") from e
+        _set_path(data, key, value)
+    return data
+
+
+def format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
+        msg = e["msg"].removeprefix("Value error, ")
+        got = e.get("input")
+        got_txt = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
+        lines.append(f"  {loc or '<top level>'}: {msg}{got_txt}")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read YAML (the embedded default when path is None), apply overrides, validate."""
+    src = Path(path) if path is not None else DEFAULT_CONFIG
+    if not src.exists():
+        raise ConfigError(f"config file {str(src)!r} does not exist; give a YAML file path")
+    try:
+        data = yaml.safe_load(src.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(src)!r} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(src)!r} must hold a mapping at the top level")
+    data = apply_overrides(data, overrides or [])
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None

@@ -1,0 +1,55 @@
+"""Start a run's nodes. One node runs in this process; several nodes (issue: collaboration) run
+as one process each under torch's launcher."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ftis.config import RunConfig
+from ftis.exchange.base import LocalExchange
+from ftis.train.loop import NodeResult, train_node
+
+log = logging.getLogger(__name__)
+
+
+class ProgressBar:
+    """Turns the loop's progress events into a rich progress bar (warm start, then RL steps)."""
+
+    def __init__(self, progress: Progress, node: str) -> None:
+        self.p = progress
+        self.node = node
+        self.warm = None
+        self.rl = None
+        self.acc = "-"
+
+    def __call__(self, event: str, **info) -> None:
+        if event == "warm":
+            if self.warm is None:
+                self.warm = self.p.add_task(f"{self.node} warm start", total=info["total"], info="")
+            self.p.update(self.warm, completed=info["step"], info=f"loss {info['loss']:.3f}")
+            return
+        if self.rl is None:
+            self.rl = self.p.add_task(f"{self.node} RL", total=info["total"], info="")
+        m = info["metrics"]
+        if "eval/accuracy" in m:
+            self.acc = f"{100 * m['eval/accuracy']:.1f}%"
+        reward = m.get("reward/mean")
+        reward_txt = f"reward {reward:.2f} " if reward is not None else ""
+        self.p.update(self.rl, completed=info["step"], info=f"{reward_txt}acc {self.acc}")
+
+
+def run_local(cfg: RunConfig, run_dir: Path, *, console: Console | None = None) -> list[NodeResult]:
+    if len(cfg.nodes) != 1:
+        from ftis.launch_multi import run_multi  # noqa: PLC0415
+
+        return run_multi(cfg, run_dir, console=console)
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("{task.fields[info]}")]
+    with Progress(*columns, console=console, disable=not cfg.log.progress) as p:
+        bar = ProgressBar(p, cfg.nodes[0].name)
+        result = train_node(cfg, rank=0, exchange=LocalExchange(), run_dir=run_dir, progress=bar)
+    return [result]

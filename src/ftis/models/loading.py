@@ -1,0 +1,127 @@
+"""Build or load a node's model and tokenizer: a tiny preset, or any Hugging Face causal LM."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from ftis.models.presets import PRESETS, preset_config
+from ftis.models.tokenizer import char_tokenizer
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """A model or tokenizer could not be built or loaded; the message says why and what to do."""
+
+
+class LoraConfig(BaseModel):
+    """Low-rank adapters through peft; only the adapters train."""
+
+    model_config = ConfigDict(extra="forbid")
+    r: int = Field(8, ge=1, description="Adapter rank.")
+    alpha: float = Field(16.0, gt=0, description="Scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input.")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="Modules to adapt: 'all-linear' or a list of module names."
+    )
+
+
+class ModelConfig(BaseModel):
+    """Which model a node trains. Exactly one of `preset` and `path`."""
+
+    model_config = ConfigDict(extra="forbid")
+    preset: str | None = Field(None, description=f"Tiny preset, one of: {', '.join(PRESETS)}.")
+    path: str | None = Field(
+        None, description="Local directory or Hugging Face Hub name of a causal LM."
+    )
+    lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of all weights.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weight dtype. Log-probs are always computed in float32."
+    )
+    init_seed: int = Field(0, description="Seed of a preset's random initialisation.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.preset is None) == (self.path is None):
+            raise ValueError(
+                "give exactly one of model.preset (a tiny built-in model) and model.path "
+                "(a Hugging Face causal LM)"
+            )
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(
+                f"unknown preset {self.preset!r}; choose one of: {', '.join(sorted(PRESETS))}"
+            )
+        return self
+
+
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    if cfg.preset is not None:
+        return char_tokenizer()
+    try:
+        tok = AutoTokenizer.from_pretrained(cfg.path)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(
+            f"cannot load a tokenizer from model.path={cfg.path!r}: {e}. Give a local directory "
+            "written by save_pretrained, or a Hub name on a machine with network access."
+        ) from e
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def build_model(cfg: ModelConfig) -> PreTrainedModel:
+    """The base model (no adapters), in train mode, on the CPU."""
+    dtype = DTYPES[cfg.dtype]
+    if cfg.preset is not None:
+        torch.manual_seed(cfg.init_seed)
+        model = AutoModelForCausalLM.from_config(preset_config(cfg.preset), dtype=dtype)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(
+                f"cannot load a causal LM from model.path={cfg.path!r}: {e}. Give a local "
+                "directory written by save_pretrained, or a Hub name on a machine with network "
+                "access."
+            ) from e
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    return model
+
+
+def attach_lora(model: PreTrainedModel, lora: LoraConfig) -> torch.nn.Module:
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    peft_cfg = PeftLoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, peft_cfg)
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, total
+
+
+def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
+    """Stable digest of a tokenizer's vocabulary and special ids: peers must agree on it."""
+    h = hashlib.sha256()
+    for token, idx in sorted(tok.get_vocab().items(), key=lambda kv: kv[1]):
+        h.update(f"{idx}\t{token}\n".encode())
+    h.update(f"eos={tok.eos_token_id} pad={tok.pad_token_id}".encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,59 @@
+"""Named tiny presets of real transformers architectures (Llama, Qwen2), built in-process.
+
+Sizes are chosen for a 2-core CPU: the embedded task trains them in seconds to minutes.
+Every preset shares the character tokenizer (ftis.models.tokenizer), so any two can collaborate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
+
+from ftis.models.tokenizer import char_tokenizer
+
+
+@dataclass(frozen=True)
+class Preset:
+    arch: str  # "llama" | "qwen2"
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    max_positions: int = 512
+
+
+PRESETS: dict[str, Preset] = {
+    "llama-xs": Preset("llama", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=192),
+    "llama-s": Preset("llama", layers=3, hidden=96, heads=4, kv_heads=2, intermediate=256),
+    "llama-m": Preset("llama", layers=4, hidden=128, heads=4, kv_heads=4, intermediate=384),
+    "llama-l": Preset("llama", layers=6, hidden=192, heads=6, kv_heads=3, intermediate=512),
+    "qwen2-s": Preset("qwen2", layers=3, hidden=96, heads=4, kv_heads=2, intermediate=256),
+    "qwen2-m": Preset("qwen2", layers=4, hidden=128, heads=4, kv_heads=2, intermediate=384),
+}
+
+
+def preset_config(name: str) -> PretrainedConfig:
+    """The transformers config of a named preset, with the character tokenizer's special ids."""
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+    p = PRESETS[name]
+    tok = char_tokenizer()
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=p.hidden,
+        intermediate_size=p.intermediate,
+        num_hidden_layers=p.layers,
+        num_attention_heads=p.heads,
+        num_key_value_heads=p.kv_heads,
+        max_position_embeddings=p.max_positions,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+    )
+    if p.arch == "llama":
+        return LlamaConfig(**common)
+    return Qwen2Config(**common, use_sliding_window=False)

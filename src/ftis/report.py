@@ -1,0 +1,192 @@
+"""Reports: a summary table and PNG plots from a run directory's metrics.jsonl.
+
+`write_report(run_dir)` writes report.md, accuracy.png and training.png; `compare_runs` overlays
+several runs. Everything is recomputed from metrics.jsonl, so `ftis report` can redraw any run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from ftis.train.metrics import read_metrics
+
+log = logging.getLogger(__name__)
+
+
+class ReportError(ValueError):
+    pass
+
+
+def _series(rows: list[dict[str, Any]], node: str, key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in rows if r.get("node") == node and r.get(key) is not None]
+    pts.sort()
+    return [p[0] for p in pts], [float(p[1]) for p in pts]
+
+
+def load_rows(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise ReportError(f"{path} does not exist: is {run_dir} a run directory written by `ftis run`?")
+    rows = read_metrics(path)
+    if not rows:
+        raise ReportError(f"{path} has no rows yet")
+    return rows
+
+
+def nodes_in(rows: list[dict[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(r["node"] for r in rows if "node" in r))
+
+
+def eval_splits(rows: list[dict[str, Any]]) -> list[str]:
+    keys = {k for r in rows for k in r if k.startswith("eval/") and k.endswith("/accuracy")}
+    return sorted({k.split("/")[1] for k in keys}, key=lambda s: (s != "test", s))
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One dict per node: accuracy before/after per split, mean filtered fraction, wire cost,
+    wall time of the training steps and evaluations."""
+    out = []
+    for node in nodes_in(rows):
+        mine = [r for r in rows if r.get("node") == node]
+        s: dict[str, Any] = {"node": node, "steps": max(r["step"] for r in mine)}
+        for split in eval_splits(rows):
+            steps, vals = _series(rows, node, f"eval/{split}/accuracy")
+            if vals:
+                s[f"{split}_before"], s[f"{split}_after"] = vals[0], vals[-1]
+        agg: dict[str, list[float]] = defaultdict(list)
+        for r in mine:
+            for k in ("loss/filtered_frac", "exchange/bytes_per_token", "reward/own", "reward/peers"):
+                if r.get(k) is not None:
+                    agg[k].append(float(r[k]))
+        for k, v in agg.items():
+            s[k] = sum(v) / len(v)
+        s["seconds"] = sum(
+            float(v) for r in mine for k, v in r.items() if k.startswith("time/") and v is not None
+        )
+        out.append(s)
+    return out
+
+
+def _fmt(v: Any, pct: bool = False) -> str:
+    if v is None:
+        return "-"
+    if pct:
+        return f"{100 * v:.1f}%"
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+def summary_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the per-node summary, as strings (shared by report.md and the CLI)."""
+    splits = eval_splits(rows)
+    header = ["node"] + [f"{s} acc before -> after" for s in splits] + [
+        "filtered", "bytes/token", "time (s)"]
+    body = []
+    for s in summarize(rows):
+        line = [s["node"]]
+        for sp in splits:
+            line.append(f"{_fmt(s.get(f'{sp}_before'), True)} -> {_fmt(s.get(f'{sp}_after'), True)}")
+        line += [_fmt(s.get("loss/filtered_frac"), True), _fmt(s.get("exchange/bytes_per_token")),
+                 f"{s['seconds']:.0f}"]
+        body.append(line)
+    return header, body
+
+
+def _plot_accuracy(rows, path: Path, label_prefix: str = "", axes=None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    splits = eval_splits(rows)
+    own_fig = axes is None
+    if own_fig:
+        fig, axes = plt.subplots(1, max(len(splits), 1), figsize=(5 * max(len(splits), 1), 3.6), squeeze=False)
+        axes = axes[0]
+    for ax, split in zip(axes, splits):
+        for node in nodes_in(rows):
+            x, y = _series(rows, node, f"eval/{split}/accuracy")
+            if x:
+                ax.plot(x, [100 * v for v in y], marker="o", ms=3, label=f"{label_prefix}{node}")
+        ax.set_title(f"greedy accuracy: {split}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("%")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if own_fig:
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+
+def _plot_training(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("reward/own", "reward on own samples"), ("reward/peers", "reward on peers' samples"),
+              ("loss/filtered_frac", "filtered fraction"), ("loss/is_weight_mean", "mean IS weight")]
+    panels = [p for p in panels if any(r.get(p[0]) is not None for r in rows)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    for ax, (key, title) in zip(axes[0], panels):
+        for node in nodes_in(rows):
+            x, y = _series(rows, node, key)
+            if x:
+                ax.plot(x, _smooth(y), label=node)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _smooth(y: list[float], k: int = 5) -> list[float]:
+    out = []
+    for i in range(len(y)):
+        w = y[max(0, i - k + 1) : i + 1]
+        out.append(sum(w) / len(w))
+    return out
+
+
+def write_report(run_dir: Path) -> Path:
+    run_dir = Path(run_dir)
+    rows = load_rows(run_dir)
+    _plot_accuracy(rows, run_dir / "accuracy.png")
+    if any(r["step"] > 0 for r in rows):
+        _plot_training(rows, run_dir / "training.png")
+    header, body = summary_table(rows)
+    lines = [f"# ftis run: {run_dir.name}", "", "| " + " | ".join(header) + " |",
+             "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
+    lines += ["", "Accuracy is greedy, on at most `eval.size` problems per split; 'before' is step 0.",
+              "'filtered' is the mean fraction of sequences the F- filter zeroed per step.", "",
+              "![accuracy](accuracy.png)", ""]
+    if (run_dir / "training.png").exists():
+        lines += ["![training](training.png)", ""]
+    lines += ["Config: [config.yaml](config.yaml). Metrics: [metrics.jsonl](metrics.jsonl).", ""]
+    path = run_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def compare_runs(run_dirs: list[Path], out: Path) -> Path:
+    """Overlay several runs' accuracy curves in one PNG (one panel per eval split)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    all_rows = {Path(d).name: load_rows(Path(d)) for d in run_dirs}
+    splits = sorted({s for rows in all_rows.values() for s in eval_splits(rows)}, key=lambda s: (s != "test", s))
+    fig, axes = plt.subplots(1, len(splits), figsize=(5.5 * len(splits), 3.8), squeeze=False)
+    for name, rows in all_rows.items():
+        _plot_accuracy(rows, out, label_prefix=f"{name}/", axes=axes[0])
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,138 @@
+"""Batched group sampling with a KV cache that records each token's log-prob as it samples.
+
+The log-prob recorded for a token is the one of the distribution it was drawn from (logits divided
+by the temperature), in fp32: exactly what the F-TIS loss needs as `sampler_logprobs`, with no
+second scoring pass (docs/math.md §7).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from ftis.models.logprobs import position_ids_from_mask
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    """transformers >= 5.2x names the KV-cache argument `cache`; older releases `past_key_values`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+@dataclass
+class Samples:
+    """Output of :func:`sample`. N = len(prompts) * num_samples, each prompt's samples contiguous.
+
+    prompt_ids/prompt_mask: (N, P) left-padded prompts; completion_ids: (N, T) right-padded with
+    pad_id; lengths: (N,) real completion tokens including a final EOS; logprobs: (N, T) fp32 log-prob
+    of each sampled token under the sampling distribution, 0 at padding; finished: (N,) bool, True
+    where the sequence ended with EOS rather than hitting max_new_tokens.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    lengths: torch.Tensor
+    logprobs: torch.Tensor
+    finished: torch.Tensor
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask), both (len(seqs), max_len), padded on the left."""
+    if not seqs or any(len(s) == 0 for s in seqs):
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s) :] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def sample(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    *,
+    num_samples: int,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Samples:
+    """Sample `num_samples` completions for each prompt (temperature 0 = greedy).
+
+    With temperature 0 the recorded log-probs are the model's own (temperature 1) log-probs of
+    the greedy tokens.
+    """
+    if num_samples < 1 or max_new_tokens < 1:
+        raise ValueError("num_samples and max_new_tokens must be >= 1")
+    was_training = model.training
+    model.eval()
+    try:
+        repeated = [p for p in prompts for _ in range(num_samples)]
+        prompt_ids, prompt_mask = left_pad(repeated, pad_id)
+        n = prompt_ids.shape[0]
+        device = next(model.parameters()).device
+        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+
+        cache = DynamicCache()
+        cache_kw = {_cache_kwarg(model): cache}
+        attn = prompt_mask
+        positions = position_ids_from_mask(attn)
+        out = model(
+            input_ids=prompt_ids,
+            attention_mask=attn,
+            position_ids=positions,
+            **cache_kw,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        next_pos = positions[:, -1:] + 1
+
+        tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
+        done = torch.zeros(n, dtype=torch.bool, device=device)
+        lengths = torch.zeros(n, dtype=torch.long, device=device)
+        steps = 0
+        for t in range(max_new_tokens):
+            logits = out.logits[:, -1, :].float()
+            if temperature > 0:
+                logp = torch.log_softmax(logits / temperature, dim=-1)
+                tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+            else:
+                logp = torch.log_softmax(logits, dim=-1)
+                tok = logp.argmax(-1)
+            tok_lp = logp.gather(-1, tok[:, None]).squeeze(-1)
+            active = ~done
+            tokens[:, t] = torch.where(active, tok, pad_id)
+            logprobs[:, t] = torch.where(active, tok_lp, 0.0)
+            lengths += active.long()
+            done |= tok == eos_id
+            steps = t + 1
+            if bool(done.all()) or t == max_new_tokens - 1:
+                break
+            attn = torch.cat([attn, torch.ones((n, 1), dtype=attn.dtype, device=device)], dim=1)
+            out = model(
+                input_ids=tokens[:, t : t + 1],
+                attention_mask=attn,
+                position_ids=next_pos,
+                **cache_kw,
+                use_cache=True,
+            )
+            next_pos = next_pos + 1
+        return Samples(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=tokens[:, :steps],
+            lengths=lengths,
+            logprobs=logprobs[:, :steps],
+            finished=done,
+        )
+    finally:
+        model.train(was_training)

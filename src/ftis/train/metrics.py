@@ -1,0 +1,87 @@
+"""Metric sinks. JSONL always (RUN_DIR/metrics.jsonl, one object per line, with `step` and
+`node`); TensorBoard when asked for and installed."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def _clean(v: Any) -> Any:
+    # JSON has no NaN/inf: write null so every line stays valid JSON for other tools.
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class JsonlSink:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = path.open("a", encoding="utf-8")
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._f.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class TensorBoardSink:
+    def __init__(self, logdir: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:  # tensorboard is an optional extra
+            raise RuntimeError(
+                "log.tensorboard is on but the tensorboard package is missing: "
+                "pip install tensorboard, or set log.tensorboard=false"
+            ) from e
+        self._w = SummaryWriter(str(logdir))
+
+    def write(self, row: dict[str, Any]) -> None:
+        step = int(row["step"])
+        for k, v in row.items():
+            if isinstance(v, int | float) and k != "step" and math.isfinite(v):
+                self._w.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self._w.close()
+
+
+class MetricLogger:
+    """Fans one row out to every sink; adds the node name."""
+
+    def __init__(self, run_dir: Path, node: str, *, tensorboard: bool = False) -> None:
+        self.node = node
+        self.sinks: list[Any] = [JsonlSink(run_dir / "metrics.jsonl")]
+        if tensorboard:
+            self.sinks.append(TensorBoardSink(run_dir / "tensorboard" / node))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, "node": self.node, **metrics}
+        for s in self.sinks:
+            s.write(row)
+
+    def close(self) -> None:
+        for s in self.sinks:
+            s.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """All rows of a metrics.jsonl; a torn last line (crash mid-write) is skipped."""
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                log.warning("skipping a malformed line in %s", path)
+    return rows

@@ -1,0 +1,63 @@
+"""A node's moving parts: its model, tokenizer and optimizer, built from its config."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel
+from transformers import PreTrainedTokenizerBase
+
+from ftis.config import NodeConfig, OptimConfig
+from ftis.models.loading import (
+    ModelConfig,
+    attach_lora,
+    build_model,
+    count_parameters,
+    load_tokenizer,
+)
+from ftis.warmstart import warm_start
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Node:
+    cfg: NodeConfig
+    rank: int
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas)
+
+
+def build_node(
+    cfg: NodeConfig, *, rank: int, task_cfg: BaseModel, warm_progress=None
+) -> Node:
+    """Warm start (cached), load, attach LoRA, and make the optimizer."""
+    model_cfg = cfg.model
+    if cfg.warm_start is not None:
+        path = warm_start(model_cfg, cfg.warm_start, task_cfg, progress=warm_progress)
+        # The warm-started weights become the node's base model; LoRA (if any) goes on top.
+        model_cfg = ModelConfig(path=str(path), lora=cfg.model.lora, dtype=cfg.model.dtype)
+    tokenizer = load_tokenizer(model_cfg)
+    model = build_model(model_cfg)
+    if model_cfg.lora is not None:
+        model = attach_lora(model, model_cfg.lora)
+    model.train()
+    trainable, total = count_parameters(model)
+    log.info("node %s: %s, %d of %d parameters trainable", cfg.name,
+             cfg.model.preset or cfg.model.path, trainable, total)
+    return Node(cfg=cfg, rank=rank, model=model, tokenizer=tokenizer,
+                optimizer=build_optimizer(model, cfg.optim))
