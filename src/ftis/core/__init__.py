@@ -1,0 +1,28 @@
+"""Pure tensor math: advantages, the policy-loss family with the F-TIS filter, pass@k.
+
+Imports torch only: no config objects, no I/O, no logging, no torch.distributed.
+The math is written out in docs/math.md; code comments cite it by section.
+"""
+
+from ftis.core.advantages import flat_group_advantages, group_advantages
+from ftis.core.losses import (
+    LOSS_METHODS,
+    TOKEN_TERMS,
+    filter_sequences,
+    policy_loss,
+    resolve_method,
+    sequence_divergence,
+)
+from ftis.core.passk import pass_at_k
+
+__all__ = [
+    "LOSS_METHODS",
+    "TOKEN_TERMS",
+    "filter_sequences",
+    "flat_group_advantages",
+    "group_advantages",
+    "pass_at_k",
+    "policy_loss",
+    "resolve_method",
+    "sequence_divergence",
+]

@@ -1,0 +1,386 @@
+"""The policy-loss family: NoIS, VIS (GRPO), TIS and their filtered variants (docs/math.md §3-§5).
+
+Shapes: N sequences, T tokens (padded completion width).
+
+Structure:
+
+- ``TOKEN_TERMS`` is a registry of small per-token-term functions, one per base method;
+- :func:`sequence_divergence` and :func:`filter_sequences` are the filter (the "f-" prefix),
+  applied to the advantages before the per-token term;
+- :func:`policy_loss` (the public contract) sanitizes inputs, resolves the method, applies the
+  filter, aggregates per sequence then over sequences, and computes metrics.
+
+Where this deviates from the authors' code (docs/math.md §5): defaults follow the paper
+(g = 50, k averaged over the sequence's own tokens, filtered sequences zeroed not dropped);
+the authors' choices are options (``filter_stat_norm="padded"``, ``filter_mode="drop"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+# Log-ratios are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exp (docs/math.md §3.4):
+# exp(20) ~ 4.9e8 is far beyond any cap or clip range, and finite in fp32.
+LOG_RATIO_CLAMP = 20.0
+
+FilterStatNorm = Literal["sequence", "padded"]
+FilterMode = Literal["zero", "drop"]
+FILTER_STAT_NORMS: tuple[str, ...] = ("sequence", "padded")
+FILTER_MODES: tuple[str, ...] = ("zero", "drop")
+FILTER_PREFIX = "f-"
+
+
+@dataclass(frozen=True)
+class TokenTermInputs:
+    """What a per-token term sees. All tensors are fp32 (or wider) and finite where masked out.
+
+    Attributes:
+        logprobs: (N, T) receiver's log-probs, with grad; 0 at masked-out positions.
+        log_ratio: (N, T) ``clamp(logprobs - sampler_logprobs)``, with grad through logprobs;
+            0 at masked-out positions.
+        advantages: (N, 1) advantages after the filter, no grad.
+        is_cap: C, the TIS truncation cap.
+        clip_eps: eps_c, the VIS clip range.
+    """
+
+    logprobs: Tensor
+    log_ratio: Tensor
+    advantages: Tensor
+    is_cap: float
+    clip_eps: float
+
+
+@dataclass(frozen=True)
+class TokenTermOutput:
+    """A per-token term: ``per_token`` (N, T) loss terms l[i,t]; ``clipped`` (N, T) bool where
+    the PPO clip was active (VIS only, else None)."""
+
+    per_token: Tensor
+    clipped: Tensor | None = None
+
+
+TokenTerm = Callable[[TokenTermInputs], TokenTermOutput]
+
+
+def _on_policy_factor(logprobs: Tensor) -> Tensor:
+    """``exp(lp - sg(lp))``: value 1, gradient grad lp."""
+    return torch.exp(logprobs - logprobs.detach())
+
+
+def nois_term(x: TokenTermInputs) -> TokenTermOutput:
+    """NoIS: ``l = -exp(lp - sg(lp)) * A`` (docs/math.md §3.1). Every sample as on-policy."""
+    return TokenTermOutput(per_token=-_on_policy_factor(x.logprobs) * x.advantages)
+
+
+def vis_term(x: TokenTermInputs) -> TokenTermOutput:
+    """VIS / GRPO: ``l = -min(rho A, clip(rho, 1-eps, 1+eps) A)``, ``rho = exp(lp - glp)``
+    (docs/math.md §3.2). The generator plays PPO's old policy."""
+    rho = torch.exp(x.log_ratio)
+    unclipped = rho * x.advantages
+    clipped = rho.clamp(1.0 - x.clip_eps, 1.0 + x.clip_eps) * x.advantages
+    return TokenTermOutput(
+        per_token=-torch.minimum(unclipped, clipped), clipped=clipped < unclipped
+    )
+
+
+def tis_term(x: TokenTermInputs) -> TokenTermOutput:
+    """TIS: ``l = -min(exp(sg(lp) - glp), C) * exp(lp - sg(lp)) * A`` (docs/math.md §3.3).
+    A detached per-token weight, capped from above only."""
+    weight = torch.exp(x.log_ratio.detach()).clamp(max=x.is_cap)
+    return TokenTermOutput(per_token=-weight * _on_policy_factor(x.logprobs) * x.advantages)
+
+
+TOKEN_TERMS: dict[str, TokenTerm] = {"nois": nois_term, "vis": vis_term, "tis": tis_term}
+METHOD_ALIASES: dict[str, str] = {"grpo": "vis"}
+LOSS_METHODS: tuple[str, ...] = (
+    *TOKEN_TERMS,
+    *(FILTER_PREFIX + name for name in TOKEN_TERMS),
+    *METHOD_ALIASES,
+)
+
+
+def resolve_method(method: str) -> tuple[str, bool]:
+    """Split a method name into (base term name, whether the filter applies).
+
+    >>> resolve_method("f-tis")
+    ('tis', True)
+    >>> resolve_method("grpo")
+    ('vis', False)
+    """
+    if method not in LOSS_METHODS:
+        raise ValueError(
+            f"unknown loss method {method!r}; valid methods: {', '.join(LOSS_METHODS)}"
+        )
+    filtered = method.startswith(FILTER_PREFIX)
+    base = method.removeprefix(FILTER_PREFIX)
+    return METHOD_ALIASES.get(base, base), filtered
+
+
+def sequence_divergence(
+    *,
+    logprobs: Tensor,
+    sampler_logprobs: Tensor,
+    mask: Tensor,
+    norm: FilterStatNorm = "sequence",
+) -> Tensor:
+    """Per-sequence divergence D_i from the k3 estimator (docs/math.md §4), without grad.
+
+    ``k = exp(glp - lp) - (glp - lp) - 1 >= 0`` per token; ``D_i`` is the sum of k over the
+    sequence's masked tokens divided by ``|a_i|`` (``norm="sequence"``, default) or by the padded
+    width T (``norm="padded"``, the authors' code). Empty sequences give 0.
+
+    Args:
+        logprobs: (N, T) receiver's log-probs (grad is ignored).
+        sampler_logprobs: (N, T) generator's log-probs.
+        mask: (N, T) bool, True = token counts.
+        norm: "sequence" or "padded".
+
+    Returns:
+        (N,) D_i, fp32 or wider, no grad.
+    """
+    if norm not in FILTER_STAT_NORMS:
+        raise ValueError(f"filter_stat_norm must be one of {FILTER_STAT_NORMS}, got {norm!r}")
+    with torch.no_grad():
+        lp = _masked_float(logprobs, mask)
+        glp = _masked_float(sampler_logprobs, mask)
+        # Only the exp argument is clamped: k is exact for d <= 20 and saturates (monotone) above;
+        # for d < 0 it stays exact (~ |d| - 1), so a receiver far more confident than the
+        # generator still shows a large divergence. expm1 keeps k >= 0 near d = 0.
+        d = (glp - lp).clamp(max=LOG_RATIO_CLAMP)
+        k = (torch.expm1(d) - d).clamp(min=0.0)
+        total = torch.where(mask, k, torch.zeros_like(k)).sum(dim=1)
+        if norm == "padded":
+            return total / max(mask.shape[1], 1)
+        return total / mask.sum(dim=1).clamp(min=1).to(total.dtype)
+
+
+def filter_sequences(*, advantages: Tensor, divergence: Tensor, threshold: float) -> Tensor:
+    """(N,) bool, True where a sequence is filtered: ``A_i <= 0 and D_i > g`` (docs/math.md §4).
+
+    Args:
+        advantages: (N,) advantages computed over the whole group.
+        divergence: (N,) D_i from :func:`sequence_divergence`.
+        threshold: g.
+    """
+    return (advantages <= 0) & (divergence > threshold)
+
+
+def policy_loss(
+    logprobs: Tensor,
+    sampler_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    method: str = "f-tis",
+    is_cap: float = 2.0,
+    clip_eps: float = 0.2,
+    filter_threshold: float = 50.0,
+    filter_stat_norm: FilterStatNorm = "sequence",
+    filter_mode: FilterMode = "zero",
+    num_sequences: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The policy loss of docs/math.md §3-§5.
+
+    ``L = (1/N) sum_i (1/|a_i|) sum_t mask[i,t] * l[i,t]``, with l the method's per-token term.
+
+    Args:
+        logprobs: (N, T) float, requires grad: the receiver's per-token log-probs.
+        sampler_logprobs: (N, T) float: the generator's per-token log-probs, as received.
+        advantages: (N,) float, computed over whole groups (before filtering).
+        mask: (N, T) bool, True = token counts. Values at masked-out positions are ignored, even
+            NaN or inf.
+        method: one of ``LOSS_METHODS``: "nois", "vis" (= "grpo"), "tis", "f-nois", "f-vis",
+            "f-tis". The "f-" prefix applies the filter of §4.
+        is_cap: C, the TIS cap (may be ``inf`` for untruncated IS).
+        clip_eps: eps_c, the VIS clip range, in [0, 1).
+        filter_threshold: g, the filter threshold on D_i.
+        filter_stat_norm: "sequence" (default: mean k over the sequence's own tokens) or
+            "padded" (sum over the sequence divided by T, the authors' code), §5.
+        filter_mode: "zero" (default: a filtered sequence's advantage becomes 0, it still counts
+            in N) or "drop" (it is also removed from N, the authors' code), §5.
+        num_sequences: the global N when a batch is split into micro-batches: each micro-batch
+            loss is divided by it, so summing the micro-batch losses gives the full-batch loss
+            and gradient. None: the local N. With ``filter_mode="drop"`` it must already exclude
+            the filtered sequences of the whole batch (count them with :func:`filter_sequences`).
+
+    Returns:
+        ``(loss, metrics)``: loss a scalar tensor (fp32 or wider); metrics 0-dim tensors without
+        grad: ``loss``, ``filtered_frac``, ``is_weight_mean``, ``is_weight_max`` (ratio
+        ``exp(lp - glp)`` over masked tokens, before truncation), ``truncated_frac`` (masked
+        tokens with ratio > C), ``clip_frac`` (VIS only, else 0), ``filter_stat_mean`` (mean
+        D_i over non-empty sequences, reported for every method).
+    """
+    term_name, use_filter = resolve_method(method)
+    _check_inputs(logprobs, sampler_logprobs, advantages, mask)
+    _check_options(is_cap, clip_eps, filter_threshold, filter_stat_norm, filter_mode)
+    num_local = logprobs.shape[0]
+    _check_num_sequences(num_sequences, num_local, filter_mode)
+
+    lp = _masked_float(logprobs, mask)
+    glp = _masked_float(sampler_logprobs, mask).detach()
+    adv = advantages.detach().to(lp.dtype)
+    log_ratio = (lp - glp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+    divergence = sequence_divergence(
+        logprobs=lp, sampler_logprobs=glp, mask=mask, norm=filter_stat_norm
+    )
+    if use_filter:
+        filtered = filter_sequences(
+            advantages=adv, divergence=divergence, threshold=filter_threshold
+        )
+    else:
+        filtered = torch.zeros_like(adv, dtype=torch.bool)
+    adv = torch.where(filtered, torch.zeros_like(adv), adv)
+
+    term = TOKEN_TERMS[term_name](
+        TokenTermInputs(
+            logprobs=lp,
+            log_ratio=log_ratio,
+            advantages=adv[:, None],
+            is_cap=is_cap,
+            clip_eps=clip_eps,
+        )
+    )
+    denominator = _loss_denominator(num_local, filtered, filter_mode, num_sequences, dtype=lp.dtype)
+    loss = _aggregate(term.per_token, mask) / denominator
+
+    metrics = _metrics(
+        loss=loss,
+        log_ratio=log_ratio,
+        mask=mask,
+        filtered=filtered,
+        divergence=divergence,
+        clipped=term.clipped,
+        is_cap=is_cap,
+    )
+    return loss, metrics
+
+
+def _aggregate(per_token: Tensor, mask: Tensor) -> Tensor:
+    """``sum_i (1/|a_i|) sum_t mask * l`` (not yet divided by N); empty rows give 0."""
+    per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
+    lengths = mask.sum(dim=1).clamp(min=1).to(per_token.dtype)
+    return (per_token.sum(dim=1) / lengths).sum()
+
+
+def _loss_denominator(
+    num_local: int,
+    filtered: Tensor,
+    filter_mode: str,
+    num_sequences: int | None,
+    *,
+    dtype: torch.dtype,
+) -> Tensor | float:
+    """N: the global count if given, else the local one (minus filtered ones under "drop").
+
+    Floored at 1 so that an empty batch, or one whose sequences were all dropped, gives 0.
+    """
+    if num_sequences is not None:
+        return float(max(num_sequences, 1))
+    if filter_mode == "drop":
+        return (num_local - filtered.sum()).clamp(min=1).to(dtype)
+    return float(max(num_local, 1))
+
+
+def _metrics(
+    *,
+    loss: Tensor,
+    log_ratio: Tensor,
+    mask: Tensor,
+    filtered: Tensor,
+    divergence: Tensor,
+    clipped: Tensor | None,
+    is_cap: float,
+) -> dict[str, Tensor]:
+    """Diagnostics, all 0-dim tensors without grad; means over empty sets are 0."""
+    with torch.no_grad():
+        zero = torch.zeros((), dtype=loss.dtype, device=loss.device)
+        ratio = torch.exp(log_ratio.detach())
+        num_tokens = mask.sum()
+        nonempty = mask.any(dim=1)
+        masked_ratio = torch.where(mask, ratio, torch.zeros_like(ratio))
+        return {
+            "loss": loss.detach(),
+            "filtered_frac": _safe_mean(filtered, torch.ones_like(filtered)),
+            "is_weight_mean": masked_ratio.sum() / num_tokens.clamp(min=1),
+            "is_weight_max": masked_ratio.amax() if masked_ratio.numel() > 0 else zero,
+            "truncated_frac": _safe_mean(ratio > is_cap, mask),
+            "clip_frac": zero if clipped is None else _safe_mean(clipped, mask),
+            "filter_stat_mean": _safe_mean(divergence, nonempty),
+        }
+
+
+def _safe_mean(values: Tensor, where: Tensor) -> Tensor:
+    """Mean of ``values`` over positions where ``where`` is True; 0 if there are none."""
+    values = values.to(torch.float32) if not values.dtype.is_floating_point else values
+    total = torch.where(where, values, torch.zeros_like(values)).sum()
+    return total / where.sum().clamp(min=1).to(total.dtype)
+
+
+def _masked_float(x: Tensor, mask: Tensor) -> Tensor:
+    """``x`` in fp32 (or wider), with masked-out positions replaced by 0.
+
+    ``torch.where`` (not multiplication) so that NaN/inf at padding never reaches the loss or
+    the gradient (docs/math.md §3.4).
+    """
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    return torch.where(mask, x, torch.zeros_like(x))
+
+
+def _check_inputs(
+    logprobs: Tensor, sampler_logprobs: Tensor, advantages: Tensor, mask: Tensor
+) -> None:
+    if logprobs.ndim != 2:
+        raise ValueError(f"logprobs must have shape (N, T), got {tuple(logprobs.shape)}")
+    shape = tuple(logprobs.shape)
+    if tuple(sampler_logprobs.shape) != shape:
+        raise ValueError(
+            f"sampler_logprobs must have the shape of logprobs {shape}, "
+            f"got {tuple(sampler_logprobs.shape)}"
+        )
+    if tuple(mask.shape) != shape:
+        raise ValueError(f"mask must have the shape of logprobs {shape}, got {tuple(mask.shape)}")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool tensor (True = token counts), got {mask.dtype}")
+    if tuple(advantages.shape) != shape[:1]:
+        raise ValueError(
+            f"advantages must have shape ({shape[0]},), one per sequence, "
+            f"got {tuple(advantages.shape)}"
+        )
+    for name, t in (("logprobs", logprobs), ("sampler_logprobs", sampler_logprobs)):
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be floating point, got {t.dtype}")
+
+
+def _check_num_sequences(num_sequences: int | None, num_local: int, filter_mode: str) -> None:
+    if num_sequences is None:
+        return
+    if isinstance(num_sequences, bool) or not isinstance(num_sequences, int):
+        raise ValueError(f"num_sequences must be an int or None, got {num_sequences!r}")
+    # Under "drop" the global count excludes filtered sequences, so it may be below the local N.
+    minimum = 0 if filter_mode == "drop" else num_local
+    if num_sequences < minimum:
+        raise ValueError(
+            f"num_sequences (the global N) must be >= {minimum}, the number of sequences in "
+            f"this micro-batch, got {num_sequences}"
+        )
+
+
+def _check_options(
+    is_cap: float, clip_eps: float, filter_threshold: float, stat_norm: str, filter_mode: str
+) -> None:
+    if not is_cap > 0:
+        raise ValueError(f"is_cap (C) must be > 0, got {is_cap}")
+    if not 0.0 <= clip_eps < 1.0:
+        raise ValueError(f"clip_eps must be in [0, 1), got {clip_eps}")
+    if filter_threshold != filter_threshold:  # NaN
+        raise ValueError("filter_threshold must not be NaN")
+    if stat_norm not in FILTER_STAT_NORMS:
+        raise ValueError(f"filter_stat_norm must be one of {FILTER_STAT_NORMS}, got {stat_norm!r}")
+    if filter_mode not in FILTER_MODES:
+        raise ValueError(f"filter_mode must be one of {FILTER_MODES}, got {filter_mode!r}")
