@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -38,3 +38,39 @@ class Task(Protocol):
     def reward(self, problem: Problem, completion: str) -> float:
         """Verifier: reward of a decoded completion (special tokens removed)."""
         ...
+
+
+class TaskDataError(ValueError):
+    """A task's data or problem space cannot be built: a missing file, a bad record, too few
+    held-out problems. The message names the config field to change."""
+
+
+def as_id_list(encoded: object) -> list[int]:
+    """Normalise what a tokenizer returns (list, tensor, dict/BatchEncoding, batch of one) to ids.
+
+    ``apply_chat_template`` returns a plain list in transformers 4 and a ``BatchEncoding`` in 5.
+    """
+    if isinstance(encoded, Mapping):
+        encoded = encoded["input_ids"]
+    if hasattr(encoded, "tolist"):  # torch / numpy
+        encoded = encoded.tolist()
+    ids = list(encoded)  # type: ignore[call-overload]
+    if ids and isinstance(ids[0], (list, tuple)):
+        if len(ids) != 1:
+            raise ValueError(f"expected the ids of one sequence, got a batch of {len(ids)}")
+        ids = list(ids[0])
+    return [int(i) for i in ids]
+
+
+def plain_prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Encode a prompt without a chat template: ``[bos] + tokens(text)``.
+
+    BOS is prepended when the tokenizer defines one (the char tokenizer, Llama-style tokenizers),
+    because that is how such models saw text in pre-training; tokenizers without one (Qwen2.5)
+    get the bare tokens. No other special tokens are added.
+    """
+    ids = as_id_list(tokenizer.encode(text, add_special_tokens=False))
+    bos = tokenizer.bos_token_id
+    if bos is not None and (not ids or ids[0] != bos):
+        ids.insert(0, int(bos))
+    return ids
