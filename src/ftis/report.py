@@ -42,7 +42,8 @@ def nodes_in(rows: list[dict[str, Any]]) -> list[str]:
 
 def eval_splits(rows: list[dict[str, Any]]) -> list[str]:
     keys = {k for r in rows for k in r if k.startswith("eval/") and k.endswith("/accuracy")}
-    return sorted({k.split("/")[1] for k in keys}, key=lambda s: (s != "test", s))
+    splits = {k.split("/")[1] for k in keys if k.count("/") == 2}
+    return sorted(splits, key=lambda s: (s != "test", s))
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
         vocab.setdefault(ch, len(vocab))
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     # One token per character: split on every char and keep it.
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(
         tokenizer_object=backend,
