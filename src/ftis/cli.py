@@ -12,10 +12,14 @@ import typer
 import yaml
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.table import Table
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=(
-    "ftis: collaborative GRPO post-training of different LLMs with F-TIS."))
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help=("ftis: collaborative GRPO post-training of different LLMs with F-TIS."),
+)
 console = Console(stderr=True)
 
 
@@ -33,7 +37,7 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _fail(msg: str, code: int = 2) -> None:
-    console.print(f"[bold red]error:[/] {msg}")
+    console.print(f"[bold red]error:[/] {escape(msg)}", soft_wrap=True, highlight=False)
     raise typer.Exit(code)
 
 
@@ -48,9 +52,16 @@ def _print_table(header: list[str], body: list[list[str]], title: str) -> None:
 
 @app.command()
 def run(
-    config: Annotated[Path | None, typer.Argument(help="YAML config; omit for the embedded default.")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a field: --set train.steps=20 (repeatable).")] = None,
-    out: Annotated[Path | None, typer.Option("--out", help="Run directory (default runs/<name>).")] = None,
+    config: Annotated[
+        Path | None, typer.Argument(help="YAML config; omit for the embedded default.")
+    ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a field: --set train.steps=20 (repeatable)."),
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Run directory (default runs/<name>).")
+    ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory.")] = False,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
@@ -67,11 +78,15 @@ def run(
     run_dir = out or Path("runs") / cfg.name
     if run_dir.exists() and any(run_dir.iterdir()):
         if not overwrite:
-            _fail(f"run directory {run_dir} already exists and is not empty; pass --overwrite to "
-                  "replace it or --out DIR to write elsewhere")
+            _fail(
+                f"run directory {run_dir} already exists and is not empty; pass --overwrite to "
+                "replace it or --out DIR to write elsewhere"
+            )
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    (run_dir / "config.yaml").write_text(
+        yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    )
 
     from ftis.launch import run_local
 
@@ -92,7 +107,9 @@ def _finish(run_dir: Path) -> None:
 
 
 @app.command()
-def report(run_dir: Annotated[Path, typer.Argument(help="A run directory written by `ftis run`.")]) -> None:
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory written by `ftis run`.")],
+) -> None:
     """Redraw report.md and the PNG plots of a run from its metrics.jsonl."""
     _setup_logging(False)
     from ftis.report import ReportError

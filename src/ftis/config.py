@@ -32,18 +32,24 @@ class _Strict(BaseModel):
 class LossConfig(_Strict):
     """The policy loss (docs/math.md §3-5)."""
 
-    method: str = Field("f-tis", description="One of nois, vis (= grpo), tis, f-nois, f-vis, f-tis.")
+    method: str = Field(
+        "f-tis", description="One of nois, vis (= grpo), tis, f-nois, f-vis, f-tis."
+    )
     is_cap: float = Field(2.0, gt=0, description="C: cap on the per-token IS weight (tis).")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range (vis).")
-    filter_threshold: float = Field(50.0, ge=0, description="g: divergence threshold of the filter.")
+    filter_threshold: float = Field(
+        50.0, ge=0, description="g: divergence threshold of the filter."
+    )
     advantage_scale: Literal["std", "none"] = Field(
         "std", description="'std' divides by the group's std; 'none' is the authors' code."
     )
     filter_stat_norm: Literal["sequence", "padded"] = Field(
-        "sequence", description="Average the filter statistic over a sequence's own tokens or the padded width."
+        "sequence",
+        description="Average the filter statistic over a sequence's own tokens or the padded width.",
     )
     filter_mode: Literal["zero", "drop"] = Field(
-        "zero", description="'zero' keeps filtered sequences in N with advantage 0; 'drop' removes them."
+        "zero",
+        description="'zero' keeps filtered sequences in N with advantage 0; 'drop' removes them.",
     )
 
     @field_validator("method")
@@ -56,7 +62,9 @@ class LossConfig(_Strict):
 
 class OptimConfig(_Strict):
     name: Literal["adamw", "adam"] = Field("adamw", description="Optimizer.")
-    lr: float = Field(2e-4, gt=0, description="Learning rate (constant, no schedule, as in the paper).")
+    lr: float = Field(
+        1e-4, gt=0, description="Learning rate (constant, no schedule, as in the paper)."
+    )
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (adamw).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
     grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
@@ -86,16 +94,24 @@ class NodeConfig(_Strict):
 
 class TrainConfig(_Strict):
     steps: int = Field(60, ge=0, description="RL steps (one optimizer step per generation round).")
-    prompts_per_step: int = Field(16, ge=1, description="Prompts per step, split among nodes when sharing vertically.")
-    group_size: int = Field(8, ge=2, description="G: completions per prompt (>= 2 for a group baseline).")
+    prompts_per_step: int = Field(
+        16, ge=1, description="Prompts per step, split among nodes when sharing vertically."
+    )
+    group_size: int = Field(
+        8, ge=2, description="G: completions per prompt (>= 2 for a group baseline)."
+    )
     max_new_tokens: int = Field(8, ge=1, description="Completion length limit.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
-    micro_batch_size: int = Field(0, ge=0, description="Sequences per forward/backward; 0 = whole batch.")
+    micro_batch_size: int = Field(
+        0, ge=0, description="Sequences per forward/backward; 0 = whole batch."
+    )
     seed: int = Field(0, description="Seed of prompt order and sampling.")
 
 
 class EvalConfig(_Strict):
-    every: int = Field(10, ge=0, description="Evaluate every k steps (and at step 0 and the end); 0 = only then.")
+    every: int = Field(
+        10, ge=0, description="Evaluate every k steps (and at step 0 and the end); 0 = only then."
+    )
     size: int = Field(256, ge=1, description="At most this many problems per eval split.")
     batch_size: int = Field(256, ge=1, description="Sequences per generation batch in eval.")
     pass_k: list[int] = Field(default_factory=lambda: [1, 4], description="k values for pass@k.")
@@ -114,7 +130,8 @@ class EvalConfig(_Strict):
 
 class SharingConfig(_Strict):
     scheme: Literal["vertical", "horizontal"] = Field(
-        "vertical", description="vertical: each node generates whole groups; horizontal: mixed groups."
+        "vertical",
+        description="vertical: each node generates whole groups; horizontal: mixed groups.",
     )
 
 

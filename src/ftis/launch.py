@@ -44,11 +44,16 @@ class ProgressBar:
 
 def run_local(cfg: RunConfig, run_dir: Path, *, console: Console | None = None) -> list[NodeResult]:
     if len(cfg.nodes) != 1:
-        from ftis.launch_multi import run_multi  # noqa: PLC0415
+        from ftis.launch_multi import run_multi
 
         return run_multi(cfg, run_dir, console=console)
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn(), TextColumn("{task.fields[info]}")]
+    columns = [
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"),
+    ]
     with Progress(*columns, console=console, disable=not cfg.log.progress) as p:
         bar = ProgressBar(p, cfg.nodes[0].name)
         result = train_node(cfg, rank=0, exchange=LocalExchange(), run_dir=run_dir, progress=bar)

@@ -29,7 +29,9 @@ def _series(rows: list[dict[str, Any]], node: str, key: str) -> tuple[list[int],
 def load_rows(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
-        raise ReportError(f"{path} does not exist: is {run_dir} a run directory written by `ftis run`?")
+        raise ReportError(
+            f"{path} does not exist: is {run_dir} a run directory written by `ftis run`?"
+        )
     rows = read_metrics(path)
     if not rows:
         raise ReportError(f"{path} has no rows yet")
@@ -54,12 +56,17 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         mine = [r for r in rows if r.get("node") == node]
         s: dict[str, Any] = {"node": node, "steps": max(r["step"] for r in mine)}
         for split in eval_splits(rows):
-            steps, vals = _series(rows, node, f"eval/{split}/accuracy")
+            _steps, vals = _series(rows, node, f"eval/{split}/accuracy")
             if vals:
                 s[f"{split}_before"], s[f"{split}_after"] = vals[0], vals[-1]
         agg: dict[str, list[float]] = defaultdict(list)
         for r in mine:
-            for k in ("loss/filtered_frac", "exchange/bytes_per_token", "reward/own", "reward/peers"):
+            for k in (
+                "loss/filtered_frac",
+                "exchange/bytes_per_token",
+                "reward/own",
+                "reward/peers",
+            ):
                 if r.get(k) is not None:
                     agg[k].append(float(r[k]))
         for k, v in agg.items():
@@ -82,15 +89,23 @@ def _fmt(v: Any, pct: bool = False) -> str:
 def summary_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the per-node summary, as strings (shared by report.md and the CLI)."""
     splits = eval_splits(rows)
-    header = ["node"] + [f"{s} acc before -> after" for s in splits] + [
-        "filtered", "bytes/token", "time (s)"]
+    header = (
+        ["node"]
+        + [f"{s} acc before -> after" for s in splits]
+        + ["filtered", "bytes/token", "time (s)"]
+    )
     body = []
     for s in summarize(rows):
         line = [s["node"]]
         for sp in splits:
-            line.append(f"{_fmt(s.get(f'{sp}_before'), True)} -> {_fmt(s.get(f'{sp}_after'), True)}")
-        line += [_fmt(s.get("loss/filtered_frac"), True), _fmt(s.get("exchange/bytes_per_token")),
-                 f"{s['seconds']:.0f}"]
+            line.append(
+                f"{_fmt(s.get(f'{sp}_before'), True)} -> {_fmt(s.get(f'{sp}_after'), True)}"
+            )
+        line += [
+            _fmt(s.get("loss/filtered_frac"), True),
+            _fmt(s.get("exchange/bytes_per_token")),
+            f"{s['seconds']:.0f}",
+        ]
         body.append(line)
     return header, body
 
@@ -104,7 +119,9 @@ def _plot_accuracy(rows, path: Path, label_prefix: str = "", axes=None) -> None:
     splits = eval_splits(rows)
     own_fig = axes is None
     if own_fig:
-        fig, axes = plt.subplots(1, max(len(splits), 1), figsize=(5 * max(len(splits), 1), 3.6), squeeze=False)
+        fig, axes = plt.subplots(
+            1, max(len(splits), 1), figsize=(5 * max(len(splits), 1), 3.6), squeeze=False
+        )
         axes = axes[0]
     for ax, split in zip(axes, splits):
         for node in nodes_in(rows):
@@ -128,8 +145,12 @@ def _plot_training(rows, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("reward/own", "reward on own samples"), ("reward/peers", "reward on peers' samples"),
-              ("loss/filtered_frac", "filtered fraction"), ("loss/is_weight_mean", "mean IS weight")]
+    panels = [
+        ("reward/own", "reward on own samples"),
+        ("reward/peers", "reward on peers' samples"),
+        ("loss/filtered_frac", "filtered fraction"),
+        ("loss/is_weight_mean", "mean IS weight"),
+    ]
     panels = [p for p in panels if any(r.get(p[0]) is not None for r in rows)]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
     for ax, (key, title) in zip(axes[0], panels):
@@ -161,12 +182,21 @@ def write_report(run_dir: Path) -> Path:
     if any(r["step"] > 0 for r in rows):
         _plot_training(rows, run_dir / "training.png")
     header, body = summary_table(rows)
-    lines = [f"# ftis run: {run_dir.name}", "", "| " + " | ".join(header) + " |",
-             "|" + "---|" * len(header)]
+    lines = [
+        f"# ftis run: {run_dir.name}",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
     lines += ["| " + " | ".join(r) + " |" for r in body]
-    lines += ["", "Accuracy is greedy, on at most `eval.size` problems per split; 'before' is step 0.",
-              "'filtered' is the mean fraction of sequences the F- filter zeroed per step.", "",
-              "![accuracy](accuracy.png)", ""]
+    lines += [
+        "",
+        "Accuracy is greedy, on at most `eval.size` problems per split; 'before' is step 0.",
+        "'filtered' is the mean fraction of sequences the F- filter zeroed per step.",
+        "",
+        "![accuracy](accuracy.png)",
+        "",
+    ]
     if (run_dir / "training.png").exists():
         lines += ["![training](training.png)", ""]
     lines += ["Config: [config.yaml](config.yaml). Metrics: [metrics.jsonl](metrics.jsonl).", ""]
@@ -183,7 +213,9 @@ def compare_runs(run_dirs: list[Path], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     all_rows = {Path(d).name: load_rows(Path(d)) for d in run_dirs}
-    splits = sorted({s for rows in all_rows.values() for s in eval_splits(rows)}, key=lambda s: (s != "test", s))
+    splits = sorted(
+        {s for rows in all_rows.values() for s in eval_splits(rows)}, key=lambda s: (s != "test", s)
+    )
     fig, axes = plt.subplots(1, len(splits), figsize=(5.5 * len(splits), 3.8), squeeze=False)
     for name, rows in all_rows.items():
         _plot_accuracy(rows, out, label_prefix=f"{name}/", axes=axes[0])

@@ -124,7 +124,9 @@ def warm_start(
         if progress is not None:
             progress(step + 1, ws.steps, loss_value)
     seconds = time.perf_counter() - t0
-    log.info("warm start of %s: %d steps in %.1fs, final loss %.3f", name, ws.steps, seconds, loss_value)
+    log.info(
+        "warm start of %s: %d steps in %.1fs, final loss %.3f", name, ws.steps, seconds, loss_value
+    )
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))

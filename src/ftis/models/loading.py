@@ -8,7 +8,12 @@ from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from ftis.models.presets import PRESETS, preset_config
 from ftis.models.tokenizer import char_tokenizer

@@ -13,7 +13,9 @@ from transformers import PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
-CHARS = string.printable[:-2]  # printable ASCII without \x0b \x0c: digits, letters, punctuation, space, \t, \n, \r
+CHARS = string.printable[
+    :-2
+]  # printable ASCII without \x0b \x0c: digits, letters, punctuation, space, \t, \n, \r
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:

@@ -37,7 +37,9 @@ class RolloutBatch:
         for name in ("prompt_index", "generator", "lengths"):
             t = getattr(self, name)
             if t.shape != (n,):
-                raise ValueError(f"RolloutBatch.{name} must have shape ({n},), got {tuple(t.shape)}")
+                raise ValueError(
+                    f"RolloutBatch.{name} must have shape ({n},), got {tuple(t.shape)}"
+                )
         if self.sampler_logprobs.shape != self.completion_ids.shape:
             raise ValueError(
                 "RolloutBatch.sampler_logprobs must match completion_ids' shape "

@@ -22,7 +22,9 @@ from ftis.train.node import Node
 CHECKPOINT_VERSION = 1
 
 
-def save_checkpoint(node: Node, node_dir: Path, step: int, *, keep: int, extra_rng: dict | None = None) -> Path:
+def save_checkpoint(
+    node: Node, node_dir: Path, step: int, *, keep: int, extra_rng: dict | None = None
+) -> Path:
     node_dir.mkdir(parents=True, exist_ok=True)
     final = node_dir / f"step-{step:06d}"
     tmp = Path(tempfile.mkdtemp(dir=node_dir, prefix=".tmp-"))
@@ -39,8 +41,13 @@ def save_checkpoint(node: Node, node_dir: Path, step: int, *, keep: int, extra_r
         },
     }
     torch.save(state, tmp / "trainer_state.pt")
-    meta = {"version": CHECKPOINT_VERSION, "ftis": __version__, "step": step, "node": node.name,
-            "lora": node.cfg.model.lora is not None}
+    meta = {
+        "version": CHECKPOINT_VERSION,
+        "ftis": __version__,
+        "step": step,
+        "node": node.name,
+        "lora": node.cfg.model.lora is not None,
+    }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
     if final.exists():
         shutil.rmtree(final)

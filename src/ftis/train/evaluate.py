@@ -11,8 +11,17 @@ from ftis.tasks.base import Task
 from ftis.train.node import Node
 
 
-def _rewards(node: Node, task: Task, problems, *, num_samples: int, temperature: float,
-             max_new_tokens: int, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+def _rewards(
+    node: Node,
+    task: Task,
+    problems,
+    *,
+    num_samples: int,
+    temperature: float,
+    max_new_tokens: int,
+    batch_size: int,
+    generator: torch.Generator,
+) -> torch.Tensor:
     """(len(problems), num_samples) rewards."""
     tok = node.tokenizer
     per_batch = max(1, batch_size // num_samples)
@@ -35,7 +44,9 @@ def _rewards(node: Node, task: Task, problems, *, num_samples: int, temperature:
     return torch.tensor(out, dtype=torch.float32).view(len(problems), num_samples)
 
 
-def evaluate(node: Node, task: Task, cfg: EvalConfig, train: TrainConfig, *, seed: int) -> dict[str, float]:
+def evaluate(
+    node: Node, task: Task, cfg: EvalConfig, train: TrainConfig, *, seed: int
+) -> dict[str, float]:
     """`eval/accuracy` is greedy accuracy on the first (in-distribution) eval split; every split
     also gets `eval/<split>/accuracy`; pass@k on the in-distribution split as `eval/pass@k`."""
     g = torch.Generator().manual_seed(seed)
@@ -43,8 +54,16 @@ def evaluate(node: Node, task: Task, cfg: EvalConfig, train: TrainConfig, *, see
     for i, split in enumerate(task.eval_splits):
         ds = task.split(split)
         problems = [ds[j] for j in range(min(cfg.size, len(ds)))]
-        r = _rewards(node, task, problems, num_samples=1, temperature=0.0,
-                     max_new_tokens=train.max_new_tokens, batch_size=cfg.batch_size, generator=g)
+        r = _rewards(
+            node,
+            task,
+            problems,
+            num_samples=1,
+            temperature=0.0,
+            max_new_tokens=train.max_new_tokens,
+            batch_size=cfg.batch_size,
+            generator=g,
+        )
         acc = float(r.mean())
         metrics[f"eval/{split}/accuracy"] = acc
         if i == 0:
@@ -52,9 +71,16 @@ def evaluate(node: Node, task: Task, cfg: EvalConfig, train: TrainConfig, *, see
     if cfg.pass_samples > 0:
         ds = task.split(task.eval_splits[0])
         problems = [ds[j] for j in range(min(cfg.pass_problems, len(ds)))]
-        r = _rewards(node, task, problems, num_samples=cfg.pass_samples,
-                     temperature=train.temperature, max_new_tokens=train.max_new_tokens,
-                     batch_size=cfg.batch_size, generator=g)
+        r = _rewards(
+            node,
+            task,
+            problems,
+            num_samples=cfg.pass_samples,
+            temperature=train.temperature,
+            max_new_tokens=train.max_new_tokens,
+            batch_size=cfg.batch_size,
+            generator=g,
+        )
         correct = r.sum(dim=1)
         for k in cfg.pass_k:
             metrics[f"eval/pass@{k}"] = float(pass_at_k(cfg.pass_samples, correct, k).mean())

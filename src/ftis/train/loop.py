@@ -85,7 +85,9 @@ def train_node(
         node_cfg,
         rank=rank,
         task_cfg=cfg.task,
-        warm_progress=(lambda s, n, loss: progress("warm", step=s, total=n, loss=loss)) if progress else None,
+        warm_progress=(lambda s, n, loss: progress("warm", step=s, total=n, loss=loss))
+        if progress
+        else None,
     )
     logger = MetricLogger(run_dir, node.name, tensorboard=cfg.log.tensorboard)
     node_dir = run_dir / "nodes" / node.name
@@ -111,14 +113,25 @@ def train_node(
         with timer("sample"):
             indices = phases.step_prompts(tc.seed, step, tc.prompts_per_step, len(train_split))
             mine, per_prompt = phases.assign_prompts(
-                indices, rank=rank, world_size=exchange.world_size,
-                scheme=cfg.sharing.scheme, group_size=tc.group_size,
+                indices,
+                rank=rank,
+                world_size=exchange.world_size,
+                scheme=cfg.sharing.scheme,
+                group_size=tc.group_size,
             )
-            own = phases.generate(node, task, [train_split[i] for i in mine],
-                                  num_samples=per_prompt, cfg=tc, generator=sampler_gen)
+            own = phases.generate(
+                node,
+                task,
+                [train_split[i] for i in mine],
+                num_samples=per_prompt,
+                cfg=tc,
+                generator=sampler_gen,
+            )
         with timer("exchange"):
             received = exchange.all_gather(own)
-        batch = RolloutBatch.concat([b for b in received if b is not None], node.tokenizer.pad_token_id)
+        batch = RolloutBatch.concat(
+            [b for b in received if b is not None], node.tokenizer.pad_token_id
+        )
         with timer("score"):
             rewards = phases.score(task, node.tokenizer, batch)
         with timer("advantages"):
@@ -126,8 +139,9 @@ def train_node(
         metrics: dict[str, float] = {}
         with timer("update"):
             try:
-                upd = phases.update(node, task, batch, adv, loss_cfg=loss_cfg,
-                                    micro_batch_size=tc.micro_batch_size)
+                upd = phases.update(
+                    node, task, batch, adv, loss_cfg=loss_cfg, micro_batch_size=tc.micro_batch_size
+                )
                 metrics.update({f"loss/{k}": v for k, v in upd.items()})
                 metrics["train/skipped_update"] = 0
             except phases.NonFiniteError as e:
@@ -145,8 +159,13 @@ def train_node(
         metrics.update(timer.pop())
         logger.log(step, metrics)
         if step == tc.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-            save_checkpoint(node, node_dir, step, keep=cfg.checkpoint.keep,
-                            extra_rng={"sampler": sampler_gen.get_state()})
+            save_checkpoint(
+                node,
+                node_dir,
+                step,
+                keep=cfg.checkpoint.keep,
+                extra_rng={"sampler": sampler_gen.get_state()},
+            )
         if progress:
             progress("step", step=step, total=tc.steps, metrics=metrics)
 
@@ -171,11 +190,15 @@ def _reward_metrics(batch: RolloutBatch, rewards: torch.Tensor, rank: int) -> di
         out["reward/own"] = float(rewards[own].mean())
     if (~own).any():
         out["reward/peers"] = float(rewards[~own].mean())
-    out["train/completion_tokens"] = float(batch.lengths.float().mean()) if batch.num_sequences else 0.0
+    out["train/completion_tokens"] = (
+        float(batch.lengths.float().mean()) if batch.num_sequences else 0.0
+    )
     return out
 
 
-def _exchange_metrics(exchange: Exchange, own: RolloutBatch, batch: RolloutBatch) -> dict[str, float]:
+def _exchange_metrics(
+    exchange: Exchange, own: RolloutBatch, batch: RolloutBatch
+) -> dict[str, float]:
     if exchange.world_size == 1:
         return {}
     s = exchange.last_stats

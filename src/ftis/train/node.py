@@ -42,9 +42,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
     return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas)
 
 
-def build_node(
-    cfg: NodeConfig, *, rank: int, task_cfg: BaseModel, warm_progress=None
-) -> Node:
+def build_node(cfg: NodeConfig, *, rank: int, task_cfg: BaseModel, warm_progress=None) -> Node:
     """Warm start (cached), load, attach LoRA, and make the optimizer."""
     model_cfg = cfg.model
     if cfg.warm_start is not None:
@@ -57,7 +55,17 @@ def build_node(
         model = attach_lora(model, model_cfg.lora)
     model.train()
     trainable, total = count_parameters(model)
-    log.info("node %s: %s, %d of %d parameters trainable", cfg.name,
-             cfg.model.preset or cfg.model.path, trainable, total)
-    return Node(cfg=cfg, rank=rank, model=model, tokenizer=tokenizer,
-                optimizer=build_optimizer(model, cfg.optim))
+    log.info(
+        "node %s: %s, %d of %d parameters trainable",
+        cfg.name,
+        cfg.model.preset or cfg.model.path,
+        trainable,
+        total,
+    )
+    return Node(
+        cfg=cfg,
+        rank=rank,
+        model=model,
+        tokenizer=tokenizer,
+        optimizer=build_optimizer(model, cfg.optim),
+    )

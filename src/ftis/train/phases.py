@@ -104,9 +104,7 @@ def score(task: Task, tokenizer, batch: RolloutBatch) -> torch.Tensor:
     """(N,) rewards recomputed by this node's own verifier; a peer's claim is never used."""
     train = task.split("train")
     texts = decode_completions(tokenizer, batch)
-    rewards = [
-        task.reward(train[i], text) for i, text in zip(batch.prompt_index.tolist(), texts)
-    ]
+    rewards = [task.reward(train[i], text) for i, text in zip(batch.prompt_index.tolist(), texts)]
     return torch.tensor(rewards, dtype=torch.float32)
 
 
@@ -167,7 +165,9 @@ def update(
         )
         if not torch.isfinite(loss):
             node.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteError(f"non-finite loss {float(loss)} in micro-batch at {start}")
+            raise NonFiniteError(
+                f"non-finite loss {float(loss.detach())} in micro-batch at {start}"
+            )
         loss.backward()
         weight = (sl.stop - sl.start) / n
         for k, v in metrics.items():

@@ -1,0 +1,103 @@
+import pytest
+import yaml
+
+from ftis.config import DEFAULT_CONFIG, ConfigError, RunConfig, apply_overrides, load_config
+from tests.conftest import tiny_run_config
+
+
+def _write(tmp_path, data) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_default_config_is_valid():
+    cfg = load_config()
+    assert cfg.nodes and cfg.nodes[0].loss.method == "f-tis"
+    assert cfg.train.group_size >= 2
+
+
+def test_overrides_parse_yaml_values_and_list_indices():
+    cfg = load_config(
+        None,
+        [
+            "train.steps=7",
+            "nodes.0.loss.method=tis",
+            "eval.pass_k=[1, 2]",
+            "nodes.0.model.lora={r: 4}",
+        ],
+    )
+    assert cfg.train.steps == 7
+    assert cfg.nodes[0].loss.method == "tis"
+    assert cfg.eval.pass_k == [1, 2]
+    assert cfg.nodes[0].model.lora is not None and cfg.nodes[0].model.lora.r == 4
+
+
+@pytest.mark.parametrize(
+    ("override", "field", "hint"),
+    [
+        ("nodes.0.loss.method=ppo", "nodes.0.loss.method", "choose one of: nois, vis, tis, f-nois"),
+        ("train.group_size=1", "train.group_size", "greater than or equal to 2"),
+        ("nodes.0.model.preset=llama-huge", "nodes.0.model", "unknown preset 'llama-huge'"),
+        ("train.stepz=3", "train.stepz", "Extra inputs are not permitted"),
+        ("nodes.0.name=a/b", "nodes.0.name", "must be 1-64 letters"),
+        ("eval.pass_k=[16]", "eval", "between 1 and eval.pass_samples"),
+    ],
+)
+def test_bad_values_name_the_field(override, field, hint):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert field in str(e.value) and hint in str(e.value)
+
+
+def test_missing_data_file_is_named(tmp_path):
+    data = tiny_run_config()
+    data["task"] = {
+        "kind": "gsm8k",
+        "train_file": str(tmp_path / "missing.jsonl"),
+        "test_file": str(tmp_path / "missing.jsonl"),
+    }
+    from ftis.tasks import TaskDataError, build_task
+
+    cfg = load_config(_write(tmp_path, data))
+    with pytest.raises(TaskDataError, match="missing.jsonl"):
+        build_task(cfg.task).split("train")
+
+
+def test_duplicate_node_names(tmp_path):
+    data = tiny_run_config()
+    data["nodes"] = data["nodes"] * 2
+    with pytest.raises(ConfigError, match="node names must be unique; repeated: xs"):
+        load_config(_write(tmp_path, data))
+
+
+@pytest.mark.parametrize(
+    ("item", "hint"),
+    [
+        ("train.steps", "expected KEY=VALUE"),
+        ("train..steps=1", "is not a dotted key"),
+        ("nodes.5.name=x", "out of range"),
+        ("train.steps=[1", "not valid YAML"),
+    ],
+)
+def test_bad_overrides(item, hint):
+    with pytest.raises(ConfigError, match=hint):
+        apply_overrides(yaml.safe_load(DEFAULT_CONFIG.read_text()), [item])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nodes: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_config(bad)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config()
+    again = RunConfig.model_validate(yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json"))))
+    assert again == cfg

@@ -1,0 +1,99 @@
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from ftis.models.loading import (
+    LoraConfig,
+    ModelConfig,
+    ModelLoadError,
+    attach_lora,
+    build_model,
+    count_parameters,
+    load_tokenizer,
+    tokenizer_fingerprint,
+)
+from ftis.models.presets import PRESETS
+from ftis.models.tokenizer import char_tokenizer
+
+
+def test_char_tokenizer_round_trips_through_save_pretrained(tmp_path):
+    tok = char_tokenizer()
+    text = "12+34=\n\nQuestion: what is 7*6?\tAnswer: 42"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == len(text)  # one token per character, newlines included
+    assert tok.unk_token_id not in ids
+    assert tok.decode(ids) == text
+    tok.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded.encode(text, add_special_tokens=False) == ids
+    assert tokenizer_fingerprint(loaded) == tokenizer_fingerprint(tok)
+
+
+def test_special_tokens_are_skipped_when_decoding():
+    tok = char_tokenizer()
+    ids = [
+        tok.bos_token_id,
+        *tok.encode("68", add_special_tokens=False),
+        tok.eos_token_id,
+        tok.pad_token_id,
+    ]
+    assert tok.decode(ids, skip_special_tokens=True) == "68"
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_build_and_grow(name):
+    model = build_model(ModelConfig(preset=name))
+    out = model(input_ids=torch.tensor([[1, 5, 6]]))
+    assert out.logits.shape == (1, 3, len(char_tokenizer()))
+
+
+def test_preset_sizes_are_ordered():
+    sizes = [
+        count_parameters(build_model(ModelConfig(preset=n)))[1]
+        for n in ("llama-xs", "llama-s", "llama-m", "llama-l")
+    ]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1] / 10
+
+
+def test_preset_init_is_deterministic():
+    a = build_model(ModelConfig(preset="llama-xs", init_seed=3))
+    b = build_model(ModelConfig(preset="llama-xs", init_seed=3))
+    c = build_model(ModelConfig(preset="llama-xs", init_seed=4))
+    pa, pb, pc = (torch.cat([p.flatten() for p in m.parameters()]) for m in (a, b, c))
+    assert torch.equal(pa, pb) and not torch.equal(pa, pc)
+
+
+def test_load_by_path_gives_the_same_model(tmp_path):
+    model = build_model(ModelConfig(preset="qwen2-s"))
+    model.save_pretrained(tmp_path)
+    char_tokenizer().save_pretrained(tmp_path)
+    cfg = ModelConfig(path=str(tmp_path))
+    loaded, tok = build_model(cfg), load_tokenizer(cfg)
+    ids = torch.tensor([tok.encode("1+2=", add_special_tokens=False)])
+    torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert tok.padding_side == "left"
+
+
+def test_lora_trains_only_adapters():
+    model = attach_lora(build_model(ModelConfig(preset="llama-s")), LoraConfig(r=4, alpha=8))
+    trainable, total = count_parameters(model)
+    assert 0 < trainable < total / 5
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n for n in names)
+
+
+def test_model_config_needs_exactly_one_source():
+    with pytest.raises(ValueError, match="exactly one of model.preset"):
+        ModelConfig()
+    with pytest.raises(ValueError, match="exactly one of model.preset"):
+        ModelConfig(preset="llama-s", path="x")
+    with pytest.raises(ValueError, match="unknown preset 'llama-huge'"):
+        ModelConfig(preset="llama-huge")
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path):
+    cfg = ModelConfig(path=str(tmp_path / "nope"))
+    with pytest.raises(ModelLoadError, match="model.path="):
+        load_tokenizer(cfg)
+    with pytest.raises(ModelLoadError, match="model.path="):
+        build_model(cfg)

@@ -1,0 +1,133 @@
+import pytest
+import torch
+
+from ftis.models.loading import ModelConfig, build_model
+from ftis.models.logprobs import completion_logprobs
+from ftis.models.tokenizer import char_tokenizer
+from ftis.rollout.sampler import left_pad, sample
+
+TOK = char_tokenizer()
+PROMPTS = [TOK.encode(s, add_special_tokens=False) for s in ["12+34=", "5+6=", "100+7=", "9="]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(ModelConfig(preset="llama-s", init_seed=1))
+
+
+def _mask(s):
+    return torch.arange(s.completion_ids.shape[1])[None, :] < s.lengths[:, None]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_recorded_logprobs_equal_a_full_forward_pass(model, temperature):
+    g = torch.Generator().manual_seed(0)
+    s = sample(
+        model,
+        PROMPTS,
+        num_samples=3,
+        max_new_tokens=6,
+        eos_id=TOK.eos_token_id,
+        pad_id=TOK.pad_token_id,
+        temperature=temperature,
+        generator=g,
+    )
+    mask = _mask(s)
+    with torch.no_grad():
+        full = completion_logprobs(
+            model,
+            prompt_ids=s.prompt_ids,
+            prompt_mask=s.prompt_mask,
+            completion_ids=s.completion_ids,
+            completion_mask=mask.long(),
+            temperature=temperature,
+        )
+    # fp32 with a KV cache vs one pass: the same math in a different order; 1e-4 nats is far
+    # below anything the loss can notice (IS weights move by 1e-4 relative).
+    torch.testing.assert_close(s.logprobs[mask], full[mask], atol=1e-4, rtol=0)
+    assert (s.logprobs[~mask] == 0).all()
+    assert (s.logprobs[mask] <= 0).all()
+
+
+def test_shapes_eos_and_padding(model):
+    # Invariants of free sampling, which must hold whatever is sampled.
+    g = torch.Generator().manual_seed(1)
+    s = sample(
+        model,
+        PROMPTS,
+        num_samples=5,
+        max_new_tokens=7,
+        eos_id=TOK.eos_token_id,
+        pad_id=TOK.pad_token_id,
+        generator=g,
+    )
+    n = len(PROMPTS) * 5
+    assert s.completion_ids.shape[0] == n and s.completion_ids.shape[1] <= 7
+    for row, length, fin in zip(s.completion_ids, s.lengths.tolist(), s.finished.tolist()):
+        assert 1 <= length <= 7
+        real = row[:length].tolist()
+        assert TOK.eos_token_id not in real[:-1]  # nothing is sampled after EOS
+        assert fin == (real[-1] == TOK.eos_token_id)
+        assert (row[length:] == TOK.pad_token_id).all()
+
+
+def test_eos_stops_a_sequence():
+    model = build_model(ModelConfig(preset="llama-xs"))
+    # A head whose bias makes EOS certain: every completion is just <eos>.
+    head = torch.nn.Linear(model.config.hidden_size, len(TOK), bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.fill_(-30.0)
+        head.bias[TOK.eos_token_id] = 30.0
+    model.lm_head = head
+    s = sample(
+        model,
+        PROMPTS,
+        num_samples=2,
+        max_new_tokens=5,
+        eos_id=TOK.eos_token_id,
+        pad_id=TOK.pad_token_id,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert s.completion_ids.shape[1] == 1  # the loop stops once every row is done
+    assert s.lengths.tolist() == [1] * 8 and s.finished.all()
+    assert torch.allclose(s.logprobs[:, 0], torch.zeros(8), atol=1e-6)
+
+
+def test_greedy_is_deterministic_and_independent_of_batch_padding(model):
+    kw = dict(
+        num_samples=1,
+        max_new_tokens=5,
+        eos_id=TOK.eos_token_id,
+        pad_id=TOK.pad_token_id,
+        temperature=0.0,
+    )
+    batched = sample(model, PROMPTS, **kw)
+    for i, p in enumerate(PROMPTS):
+        alone = sample(model, [p], **kw)
+        n = int(alone.lengths[0])
+        assert batched.lengths[i] == n
+        assert torch.equal(batched.completion_ids[i, :n], alone.completion_ids[0, :n])
+        torch.testing.assert_close(
+            batched.logprobs[i, :n], alone.logprobs[0, :n], atol=1e-4, rtol=0
+        )
+
+
+def test_same_seed_same_samples(model):
+    kw = dict(num_samples=4, max_new_tokens=6, eos_id=TOK.eos_token_id, pad_id=TOK.pad_token_id)
+    a = sample(model, PROMPTS, generator=torch.Generator().manual_seed(7), **kw)
+    b = sample(model, PROMPTS, generator=torch.Generator().manual_seed(7), **kw)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+
+
+def test_left_pad_rejects_empty_prompts():
+    ids, mask = left_pad([[5, 6], [7]], pad_id=0)
+    assert ids.tolist() == [[5, 6], [0, 7]] and mask.tolist() == [[1, 1], [0, 1]]
+    with pytest.raises(ValueError, match="at least one token"):
+        left_pad([[5], []], pad_id=0)
+
+
+def test_sampling_restores_train_mode(model):
+    model.train()
+    sample(model, PROMPTS[:1], num_samples=1, max_new_tokens=2, eos_id=2, pad_id=0)
+    assert model.training

@@ -1,0 +1,157 @@
+import copy
+
+import pytest
+import torch
+
+from ftis.config import LossConfig, NodeConfig, OptimConfig
+from ftis.models.loading import ModelConfig, build_model
+from ftis.models.tokenizer import char_tokenizer
+from ftis.rollout.types import RolloutBatch
+from ftis.tasks import ArithmeticTaskConfig, build_task
+from ftis.train import phases
+from ftis.train.node import Node, build_optimizer
+from ftis.warmstart import WarmStartConfig, cache_key, warm_start
+
+TASK = build_task(ArithmeticTaskConfig(ops={"+": 1.0}))
+
+
+def _node(method="f-tis", lr=1e-3) -> Node:
+    cfg = NodeConfig(
+        name="n",
+        model=ModelConfig(preset="llama-xs"),
+        optim=OptimConfig(lr=lr),
+        loss=LossConfig(method=method),
+    )
+    model = build_model(cfg.model)
+    return Node(
+        cfg=cfg,
+        rank=0,
+        model=model,
+        tokenizer=char_tokenizer(),
+        optimizer=build_optimizer(model, cfg.optim),
+    )
+
+
+def _batch(node: Node, n_prompts=3, g=4) -> RolloutBatch:
+    train = TASK.split("train")
+    return phases.generate(
+        node,
+        TASK,
+        [train[i] for i in range(n_prompts)],
+        num_samples=g,
+        cfg=_train_cfg(),
+        generator=torch.Generator().manual_seed(0),
+    )
+
+
+def _train_cfg():
+    from ftis.config import TrainConfig
+
+    return TrainConfig(max_new_tokens=5)
+
+
+def _grads_after_update(node: Node, batch, adv, mb: int) -> list[torch.Tensor]:
+    node = copy.deepcopy(node)
+    node.optimizer = torch.optim.SGD(node.model.parameters(), lr=0.0)  # keep grads, move nothing
+    captured = {}
+    orig_step = node.optimizer.step
+
+    def step():
+        captured["g"] = [p.grad.clone() for p in node.model.parameters()]
+        orig_step()
+
+    node.optimizer.step = step
+    phases.update(node, TASK, batch, adv, loss_cfg=node.cfg.loss, micro_batch_size=mb)
+    return captured["g"]
+
+
+@pytest.mark.parametrize("method", ["f-tis", "vis", "nois"])
+def test_micro_batches_change_nothing(method):
+    node = _node(method)
+    batch = _batch(node)
+    # Off-policy sampler log-probs so the IS weights and the filter are exercised.
+    batch.sampler_logprobs = batch.sampler_logprobs - 0.3 * batch.mask
+    adv = torch.linspace(-1, 1, batch.num_sequences)
+    whole = _grads_after_update(node, batch, adv, mb=0)
+    for mb in (1, 5):
+        split = _grads_after_update(node, batch, adv, mb=mb)
+        for a, b in zip(whole, split):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_non_finite_loss_skips_the_update():
+    node = _node("nois")
+    batch = _batch(node)
+    before = [p.detach().clone() for p in node.model.parameters()]
+    adv = torch.full((batch.num_sequences,), float("nan"))
+    with pytest.raises(phases.NonFiniteError):
+        phases.update(node, TASK, batch, adv, loss_cfg=node.cfg.loss, micro_batch_size=0)
+    assert all(torch.equal(a, b) for a, b in zip(before, node.model.parameters()))
+    assert all(p.grad is None for p in node.model.parameters())
+
+
+def test_score_uses_the_receivers_verifier():
+    node = _node()
+    tok = node.tokenizer
+    train = TASK.split("train")
+    problems = [train[0], train[1]]
+    texts = [problems[0].answer, "nope"]
+    ids = [tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in texts]
+    width = max(map(len, ids))
+    comp = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x in ids])
+    batch = RolloutBatch(
+        prompt_index=torch.tensor([0, 1]),
+        generator=torch.tensor([1, 1]),
+        completion_ids=comp,
+        lengths=torch.tensor([len(x) for x in ids]),
+        sampler_logprobs=torch.zeros(comp.shape),
+    )
+    assert phases.score(TASK, tok, batch).tolist() == [1.0, 0.0]
+
+
+def test_prompt_assignment():
+    idx = list(range(10))
+    mine = [
+        phases.assign_prompts(idx, rank=r, world_size=3, scheme="vertical", group_size=8)
+        for r in range(3)
+    ]
+    assert sorted(i for m, _ in mine for i in m) == idx and all(g == 8 for _, g in mine)
+    shares = [
+        phases.assign_prompts(idx, rank=r, world_size=3, scheme="horizontal", group_size=8)[1]
+        for r in range(3)
+    ]
+    assert shares == [3, 3, 2]
+    assert phases.step_prompts(0, 5, 8, 10**9) == phases.step_prompts(0, 5, 8, 10**9)
+    assert phases.step_prompts(0, 5, 8, 10**9) != phases.step_prompts(0, 6, 8, 10**9)
+    with pytest.raises(ValueError, match="prompts_per_step"):
+        phases.step_prompts(0, 1, 20, 10)
+
+
+def test_warm_start_is_cached_and_deterministic(tmp_path, monkeypatch):
+    model_cfg = ModelConfig(preset="llama-xs")
+    ws = WarmStartConfig(steps=5, batch_size=8)
+    task_cfg = ArithmeticTaskConfig(ops={"+": 1.0})
+    monkeypatch.setenv("FTIS_CACHE", str(tmp_path / "a"))
+    a = warm_start(model_cfg, ws, task_cfg)
+    mtime = (a / "meta.json").stat().st_mtime_ns
+    assert warm_start(model_cfg, ws, task_cfg) == a  # cache hit: not retrained
+    assert (a / "meta.json").stat().st_mtime_ns == mtime
+    monkeypatch.setenv("FTIS_CACHE", str(tmp_path / "b"))
+    b = warm_start(model_cfg, ws, task_cfg)
+    wa = build_model(ModelConfig(path=str(a))).state_dict()
+    wb = build_model(ModelConfig(path=str(b))).state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # Anything that changes the weights changes the key.
+    other = ws.model_copy(update={"mix": {"+": 1.0, "-": 1.0}})
+    assert cache_key(model_cfg, other, task_cfg) != cache_key(model_cfg, ws, task_cfg)
+
+
+def test_warm_start_mix_needs_the_arithmetic_task():
+    from ftis.tasks import GSM8KTaskConfig, fixture_path
+
+    gsm = GSM8KTaskConfig(
+        train_file=str(fixture_path("gsm8k_tiny_train.jsonl")),
+        test_file=str(fixture_path("gsm8k_tiny_test.jsonl")),
+    )
+    with pytest.raises(ValueError, match="only applies to the arithmetic task"):
+        warm_start(ModelConfig(preset="llama-xs"), WarmStartConfig(steps=1, mix={"+": 1.0}), gsm)
