@@ -1,0 +1,295 @@
+"""The torch.distributed transport, and every collective the project makes.
+
+One node = one process (torchrun semantics). Each step every node encodes its own rollout batch
+(`ftis.exchange.wire`), the group all-gathers the payload sizes and then the payloads as padded
+uint8 tensors, and every node decodes its peers' payloads, validating each one. A peer whose
+payload fails validation is logged, counted in `last_stats.rejected` and returned as None; the
+others carry on. Payloads are bytes, never pickles: a peer can send garbage, not code.
+
+Collectives cannot skip a rank, so a peer that crashes or stalls makes `all_gather` fail after
+`timeout_s` with a RuntimeError rather than return None for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ftis.exchange.base import ExchangeStats
+from ftis.exchange.wire import (
+    DEFAULT_LOGPROB_FORMAT,
+    PayloadError,
+    decode_rollouts,
+    describe_logprob_format,
+    encode_rollouts,
+    max_payload_size,
+)
+from ftis.rollout.types import RolloutBatch
+
+log = logging.getLogger(__name__)
+
+_MAX_STRING_BYTES = 1 << 20
+_ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_process_group_from_env(
+    timeout_s: float = 1800.0, *, backend: str = "auto"
+) -> tuple[int, int]:
+    """Join the process group described by torchrun's environment; returns (rank, world_size).
+
+    Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK for the GPU). backend
+    "auto" picks NCCL when this machine has a GPU, else gloo; on a group that mixes machines with
+    and without GPUs pass "gloo" everywhere. A no-op returning the group's rank and size when a
+    group already exists.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    missing = [k for k in _ENV_VARS if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"cannot join a process group: {', '.join(missing)} not set. Start the nodes with "
+            "`ftis run` or torchrun, which set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT."
+        )
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if not 0 <= rank < world_size:
+        raise RuntimeError(f"RANK={rank} must lie in [0, WORLD_SIZE={world_size})")
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    log.info("rank %d/%d joined the process group (%s)", rank, world_size, backend)
+    return rank, world_size
+
+
+def _device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where this group's tensors must live: the current GPU for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _wait(work: dist.Work, timeout_s: float, what: str) -> None:
+    try:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"exchange: all_gather of {what} did not complete within {timeout_s:g} s "
+            "(a peer crashed, stalled, or is running a different step)"
+        ) from e
+
+
+def _all_gather_bytes(
+    payload: bytes,
+    *,
+    group: dist.ProcessGroup | None,
+    max_bytes: int,
+    timeout_s: float,
+) -> list[tuple[int, bytes | None]]:
+    """Every rank's (size, bytes): one all_gather of the sizes, one of padded uint8 tensors.
+
+    Every rank pads to min(largest size, max_bytes), so all ranks agree on the tensor size as long
+    as they agree on max_bytes. A rank whose size is negative or above max_bytes gets None.
+    """
+    device = _device(group)
+    world_size = dist.get_world_size(group)
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    sizes_t = [torch.zeros_like(size) for _ in range(world_size)]
+    _wait(dist.all_gather(sizes_t, size, group=group, async_op=True), timeout_s, "payload sizes")
+    sizes = [int(s) for s in torch.cat(sizes_t).cpu().tolist()]
+    width = max(1, min(max(sizes), max_bytes))
+    own = payload[:width]
+    buf = torch.zeros(width, dtype=torch.uint8)
+    if own:
+        buf[: len(own)] = torch.frombuffer(bytearray(own), dtype=torch.uint8)
+    buf = buf.to(device)
+    bufs = [torch.empty_like(buf) for _ in range(world_size)]
+    _wait(dist.all_gather(bufs, buf, group=group, async_op=True), timeout_s, "payloads")
+    host = torch.stack(bufs).cpu().numpy()
+    return [(s, host[i, :s].tobytes() if 0 <= s <= width else None) for i, s in enumerate(sizes)]
+
+
+def gather_strings(
+    s: str, *, group: dist.ProcessGroup | None = None, timeout_s: float = 300.0
+) -> list[str]:
+    """Every rank's string, indexed by rank (UTF-8 byte tensors, no pickle; <= 1 MiB each)."""
+    gathered = _all_gather_bytes(
+        s.encode("utf-8"), group=group, max_bytes=_MAX_STRING_BYTES, timeout_s=timeout_s
+    )
+    out = []
+    for rank, (size, data) in enumerate(gathered):
+        if data is None:
+            raise ValueError(f"gather_strings: rank {rank} sent {size} bytes (limit 1 MiB)")
+        out.append(data.decode("utf-8", errors="replace"))
+    return out
+
+
+def require_agreement(
+    value: str,
+    *,
+    what: str,
+    hint: str = "",
+    group: dist.ProcessGroup | None = None,
+    timeout_s: float = 300.0,
+) -> None:
+    """Raise the same RuntimeError on every rank unless all ranks pass the same `value`
+    (e.g. the tokenizer fingerprint when the group forms)."""
+    values = gather_strings(value, group=group, timeout_s=timeout_s)
+    if len(set(values)) > 1:
+        listing = "; ".join(f"rank {r}: {v[:80]!r}" for r, v in enumerate(values))
+        raise RuntimeError(f"{what} differs between ranks ({listing}). {hint}".rstrip())
+
+
+def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
+    if device.type == "cpu":
+        return batch
+    return RolloutBatch(
+        prompt_index=batch.prompt_index.to(device),
+        generator=batch.generator.to(device),
+        completion_ids=batch.completion_ids.to(device),
+        lengths=batch.lengths.to(device),
+        sampler_logprobs=batch.sampler_logprobs.to(device),
+    )
+
+
+class DistributedExchange:
+    """`Exchange` over an initialised torch.distributed group (gloo on CPU, NCCL on GPU).
+
+    Args:
+        rank, world_size: this process's place in `group` (checked against it).
+        vocab_size: the shared tokenizer's vocabulary size (ids are validated against it).
+        max_tokens: the longest completion a peer may send (the run's max_new_tokens).
+        pad_id: this node's pad token id, used to pad decoded peer batches.
+        logprob_format: wire format of the log-probs ("f32" exact, "qK", "compact"); see
+            `ftis.exchange.wire.encode_rollouts`. Peers may differ: each payload says its own.
+        timeout_s: how long a collective may wait for the slowest peer.
+        max_sequences: the most sequences accepted from one peer. Must be the same on all ranks
+            (it bounds the gathered tensor size).
+        compress: zlib the payload sections when that shrinks them.
+        group: the process group; None = the default group.
+
+    `corrupt_for_test`, when set, rewrites this node's payload after encoding (tests use it to
+    make one rank send a corrupted payload).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        *,
+        vocab_size: int,
+        max_tokens: int,
+        pad_id: int = 0,
+        logprob_format: str = DEFAULT_LOGPROB_FORMAT,
+        timeout_s: float = 1800.0,
+        max_sequences: int = 8192,
+        compress: bool = False,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "DistributedExchange needs an initialised process group: call "
+                "init_process_group_from_env() first"
+            )
+        if (rank, world_size) != (dist.get_rank(group), dist.get_world_size(group)):
+            raise ValueError(
+                f"rank/world_size ({rank}, {world_size}) disagree with the process group "
+                f"({dist.get_rank(group)}, {dist.get_world_size(group)})"
+            )
+        self.rank = rank
+        self.world_size = world_size
+        self.vocab_size = vocab_size
+        self.max_tokens = max_tokens
+        self.max_sequences = max_sequences
+        self.pad_id = pad_id
+        self.logprob_format = logprob_format
+        self.compress = compress
+        self.timeout_s = timeout_s
+        self.group = group
+        self.last_stats = ExchangeStats()
+        self.corrupt_for_test: Callable[[bytes], bytes] | None = None
+        self._max_payload = max_payload_size(
+            max_sequences=max_sequences, max_tokens=max_tokens, vocab_size=vocab_size
+        )
+        log.info(
+            "rank %d: exchange ready, log-probs as %s",
+            rank,
+            describe_logprob_format(logprob_format, vocab_size),
+        )
+
+    def all_gather(self, batch: RolloutBatch) -> list[RolloutBatch | None]:
+        t0 = time.perf_counter()
+        try:
+            payload = encode_rollouts(
+                batch,
+                logprob_format=self.logprob_format,
+                vocab_size=self.vocab_size,
+                compress=self.compress,
+            )
+        except ValueError as e:
+            # Still take part in the collectives (peers would hang otherwise); they reject b"".
+            log.error(
+                "rank %d: own batch cannot be encoded, peers will reject it: %s", self.rank, e
+            )
+            payload = b""
+        if self.corrupt_for_test is not None:
+            payload = self.corrupt_for_test(payload)
+        t1 = time.perf_counter()
+        gathered = _all_gather_bytes(
+            payload, group=self.group, max_bytes=self._max_payload, timeout_s=self.timeout_s
+        )
+        t2 = time.perf_counter()
+        device = batch.completion_ids.device
+        out: list[RolloutBatch | None] = []
+        rejected = received = 0
+        for peer, (size, data) in enumerate(gathered):
+            if peer == self.rank:
+                out.append(batch)
+                continue
+            received += max(size, 0)
+            try:
+                if data is None:
+                    raise PayloadError(f"{size} bytes exceeds the limit of {self._max_payload}")
+                peer_batch = decode_rollouts(
+                    data,
+                    vocab_size=self.vocab_size,
+                    max_tokens=self.max_tokens,
+                    max_sequences=self.max_sequences,
+                    expected_generator=peer,
+                    pad_id=self.pad_id,
+                )
+            except PayloadError as e:
+                log.warning(
+                    "rank %d: rejected rank %d's payload (%d bytes): %s", self.rank, peer, size, e
+                )
+                rejected += 1
+                out.append(None)
+                continue
+            out.append(_to_device(peer_batch, device))
+        t3 = time.perf_counter()
+        self.last_stats = ExchangeStats(
+            bytes_sent=len(payload),
+            bytes_received=received,
+            seconds=t3 - t0,
+            rejected=rejected,
+            extra={"encode_seconds": t1 - t0, "comm_seconds": t2 - t1, "decode_seconds": t3 - t2},
+        )
+        return out
+
+    def close(self) -> None:
+        """Nothing to release: the process group belongs to whoever initialised it."""
