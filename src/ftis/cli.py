@@ -89,10 +89,11 @@ def run(
     )
 
     from ftis.launch import run_local
+    from ftis.launch_multi import LaunchError
 
     try:
         run_local(cfg, run_dir, console=console)
-    except (ModelLoadError, TaskDataError, ConfigError) as e:
+    except (ModelLoadError, TaskDataError, ConfigError, LaunchError) as e:
         _fail(str(e))
     _finish(run_dir)
 

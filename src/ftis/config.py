@@ -135,6 +135,17 @@ class SharingConfig(_Strict):
     )
 
 
+class ExchangeConfig(_Strict):
+    logprob_format: str = Field(
+        "f32", description="How sampler log-probs travel: see docs/wire-format.md for the formats."
+    )
+    timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Seconds to wait for peers in a collective before giving up on them.",
+    )
+
+
 class CheckpointConfig(_Strict):
     every: int = Field(0, ge=0, description="Save every k steps; 0 = only at the end.")
     keep: int = Field(2, ge=1, description="How many checkpoints to keep per node.")
@@ -154,6 +165,7 @@ class RunConfig(_Strict):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     sharing: SharingConfig = Field(default_factory=SharingConfig)
+    exchange: ExchangeConfig = Field(default_factory=ExchangeConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 

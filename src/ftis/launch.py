@@ -1,5 +1,5 @@
-"""Start a run's nodes. One node runs in this process; several nodes (issue: collaboration) run
-as one process each under torch's launcher."""
+"""Start a run's nodes. One node runs in this process; several nodes run as one process each
+under torch's launcher (ftis.launch_multi, ftis.worker)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ftis.config import RunConfig
 from ftis.exchange.base import LocalExchange
-from ftis.train.loop import NodeResult, train_node
+from ftis.train.loop import train_node
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +42,14 @@ class ProgressBar:
         self.p.update(self.rl, completed=info["step"], info=f"{reward_txt}acc {self.acc}")
 
 
-def run_local(cfg: RunConfig, run_dir: Path, *, console: Console | None = None) -> list[NodeResult]:
+def run_local(cfg: RunConfig, run_dir: Path, *, console: Console | None = None) -> None:
+    """Run every node of `cfg` on this machine: in this process when there is one node, else
+    one process per node under torch's launcher (ftis.launch_multi, ftis.worker)."""
     if len(cfg.nodes) != 1:
         from ftis.launch_multi import run_multi
 
-        return run_multi(cfg, run_dir, console=console)
+        run_multi(cfg, run_dir, console=console)
+        return
     columns = [
         TextColumn("{task.description}"),
         BarColumn(),
@@ -56,5 +59,10 @@ def run_local(cfg: RunConfig, run_dir: Path, *, console: Console | None = None) 
     ]
     with Progress(*columns, console=console, disable=not cfg.log.progress) as p:
         bar = ProgressBar(p, cfg.nodes[0].name)
-        result = train_node(cfg, rank=0, exchange=LocalExchange(), run_dir=run_dir, progress=bar)
-    return [result]
+        train_node(
+            cfg,
+            rank=0,
+            exchange_factory=lambda _node: LocalExchange(),
+            run_dir=run_dir,
+            progress=bar,
+        )

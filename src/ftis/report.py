@@ -92,7 +92,7 @@ def summary_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]
     header = (
         ["node"]
         + [f"{s} acc before -> after" for s in splits]
-        + ["filtered", "bytes/token", "time (s)"]
+        + ["filtered", "bytes/token", "node time (s)"]
     )
     body = []
     for s in summarize(rows):

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ftis.models.loading import ModelConfig, build_model, load_tokenizer
+from ftis.models.loading import ModelConfig, build_model, load_tokenizer, save_model
 from ftis.models.logprobs import completion_logprobs
 from ftis.rollout.sampler import left_pad
 from ftis.tasks import build_task
@@ -82,7 +82,7 @@ def warm_start(
     key = cache_key(model_cfg, ws, task_cfg)
     name = model_cfg.preset or Path(str(model_cfg.path)).name
     target = cache_root() / "warmstart" / f"{name}-{key}"
-    if (target / "meta.json").exists():
+    if (target / "meta.json").exists() and (target / "config.json").exists():
         log.info("warm start: cache hit %s", target)
         return target
     task = warmstart_task(task_cfg, ws)
@@ -130,7 +130,7 @@ def warm_start(
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    model.save_pretrained(tmp)
+    save_model(model, tmp)
     tok.save_pretrained(tmp)
     meta = {"key": key, "seconds": seconds, "final_loss": loss_value, "steps": ws.steps}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))

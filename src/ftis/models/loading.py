@@ -130,3 +130,23 @@ def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
         h.update(f"{idx}\t{token}\n".encode())
     h.update(f"eos={tok.eos_token_id} pad={tok.pad_token_id}".encode())
     return h.hexdigest()[:16]
+
+
+def save_model(model: torch.nn.Module, path) -> None:
+    """`save_pretrained` that writes on every rank.
+
+    transformers >= 5 treats an initialised torch.distributed group as one model sharded over
+    ranks and writes only on rank 0. In ftis every rank is a different model (the group only
+    exchanges samples), so each rank must write its own files.
+    """
+    targets = [model]
+    if hasattr(model, "get_base_model"):  # peft: the adapter save may consult the base model
+        targets.append(model.get_base_model())
+    for m in targets:
+        if hasattr(m, "should_save_on_this_rank"):
+            m.should_save_on_this_rank = lambda is_main_process: is_main_process
+    try:
+        model.save_pretrained(path)
+    finally:
+        for m in targets:
+            m.__dict__.pop("should_save_on_this_rank", None)

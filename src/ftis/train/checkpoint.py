@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ftis import __version__
+from ftis.models.loading import save_model
 from ftis.train.node import Node
 
 CHECKPOINT_VERSION = 1
@@ -28,7 +29,7 @@ def save_checkpoint(
     node_dir.mkdir(parents=True, exist_ok=True)
     final = node_dir / f"step-{step:06d}"
     tmp = Path(tempfile.mkdtemp(dir=node_dir, prefix=".tmp-"))
-    node.model.save_pretrained(tmp / "model")
+    save_model(node.model, tmp / "model")
     node.tokenizer.save_pretrained(tmp / "model")
     state = {
         "version": CHECKPOINT_VERSION,

@@ -19,7 +19,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,7 +32,7 @@ from ftis.train import phases
 from ftis.train.checkpoint import save_checkpoint
 from ftis.train.evaluate import evaluate
 from ftis.train.metrics import MetricLogger
-from ftis.train.node import build_node
+from ftis.train.node import Node, build_node
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,6 @@ class NodeResult:
     last_eval: dict[str, float]
     wall_seconds: float
     steps: int
-    means: dict[str, float] = field(default_factory=dict)
 
 
 # progress(event, **info): "warm" (step, total, loss) during warm start, "step" (step, total,
@@ -74,7 +73,7 @@ def train_node(
     cfg: RunConfig,
     *,
     rank: int,
-    exchange: Exchange,
+    exchange_factory: Callable[[Node], Exchange],
     run_dir: Path,
     progress: ProgressFn | None = None,
 ) -> NodeResult:
@@ -89,6 +88,8 @@ def train_node(
         if progress
         else None,
     )
+    setup_seconds = time.perf_counter() - t_start  # model build + warm start (or cache load)
+    exchange = exchange_factory(node)
     logger = MetricLogger(run_dir, node.name, tensorboard=cfg.log.tensorboard)
     node_dir = run_dir / "nodes" / node.name
     tc, loss_cfg = cfg.train, node_cfg.loss
@@ -102,9 +103,8 @@ def train_node(
             return evaluate(node, task, cfg.eval, tc, seed=tc.seed + 104729 * step)
 
     first_eval = run_eval(0)
-    logger.log(0, {**first_eval, **timer.pop()})
+    logger.log(0, {**first_eval, **timer.pop(), "time/setup": setup_seconds})
     last_eval = first_eval
-    sums: dict[str, float] = defaultdict(float)
     if progress:
         progress("step", step=0, total=tc.steps, metrics=first_eval)
 
@@ -150,9 +150,6 @@ def train_node(
         metrics.update(_reward_metrics(batch, rewards, rank))
         metrics.update(_exchange_metrics(exchange, own, batch))
         metrics["train/step_seconds"] = time.perf_counter() - t_step
-        for k in ("loss/filtered_frac", "loss/is_weight_mean", "reward/mean"):
-            if k in metrics:
-                sums[k] += metrics[k]
         if step == tc.steps or (cfg.eval.every and step % cfg.eval.every == 0):
             last_eval = run_eval(step)
             metrics.update(last_eval)
@@ -172,14 +169,13 @@ def train_node(
     if tc.steps == 0:
         save_checkpoint(node, node_dir, 0, keep=cfg.checkpoint.keep)
     logger.close()
-    n = max(tc.steps, 1)
+    exchange.close()
     return NodeResult(
         name=node.name,
         first_eval=first_eval,
         last_eval=last_eval,
         wall_seconds=time.perf_counter() - t_start,
         steps=tc.steps,
-        means={k: v / n for k, v in sums.items()},
     )
 
 

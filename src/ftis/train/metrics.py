@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +21,19 @@ def _clean(v: Any) -> Any:
 
 
 class JsonlSink:
+    """Appends one line per row with a single O_APPEND write, so several node processes can
+    share one metrics.jsonl without interleaving their lines."""
+
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = path.open("a", encoding="utf-8")
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, row: dict[str, Any]) -> None:
-        self._f.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
-        self._f.flush()
+        line = json.dumps({k: _clean(v) for k, v in row.items()}) + "\n"
+        os.write(self._fd, line.encode("utf-8"))
 
     def close(self) -> None:
-        self._f.close()
+        os.close(self._fd)
 
 
 class TensorBoardSink:

@@ -1,0 +1,147 @@
+"""Multi-process runs over gloo on loopback: the collaboration path end to end."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from ftis.cli import app
+from ftis.models.loading import ModelConfig, build_model
+from ftis.models.tokenizer import char_tokenizer
+from tests.conftest import tiny_run_config
+
+runner = CliRunner()
+VOLATILE = ("time/", "train/step_seconds", "exchange/seconds")
+
+
+def _nodes(*specs):
+    return [
+        {"name": name, "model": model, "warm_start": {"steps": 30, "batch_size": 32, "lr": 0.003}}
+        for name, model in specs
+    ]
+
+
+def _run(tmp_path, data, name="run"):
+    cfg = tmp_path / f"{name}.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    out = tmp_path / name
+    res = runner.invoke(app, ["run", str(cfg), "--out", str(out)])
+    return res, out
+
+
+def _rows(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _stable(row):
+    return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
+
+
+def test_two_different_models_collaborate(tmp_path):
+    data = tiny_run_config(steps=3)
+    data["nodes"] = _nodes(("a", {"preset": "llama-xs"}), ("b", {"preset": "qwen2-s"}))
+    res, out = _run(tmp_path, data)
+    assert res.exit_code == 0, res.output
+    rows = _rows(out)
+    for node in ("a", "b"):
+        mine = [r for r in rows if r["node"] == node]
+        assert [r["step"] for r in mine] == [0, 1, 2, 3]
+        trained = mine[1:]
+        assert all("reward/peers" in r and "reward/own" in r for r in trained)
+        # Vertical sharing: 2 of the 4 prompts are the peer's, G = 4 completions each.
+        assert all(r["exchange/sequences_received"] == 8 for r in trained)
+        assert all(0 < r["exchange/bytes_per_token"] <= 8 for r in trained)
+        assert all(r["exchange/rejected"] == 0 for r in trained)
+    report = (out / "report.md").read_text()
+    assert "| a |" in report and "| b |" in report
+
+
+def test_three_nodes_with_lora_run_to_the_end(tmp_path):
+    data = tiny_run_config(steps=2, prompts_per_step=3)
+    data["nodes"] = _nodes(
+        ("x", {"preset": "llama-xs"}),
+        ("q", {"preset": "qwen2-s"}),
+        ("l", {"preset": "llama-xs", "lora": {"r": 4, "alpha": 8}}),
+    )
+    data["sharing"] = {"scheme": "horizontal"}
+    res, out = _run(tmp_path, data)
+    assert res.exit_code == 0, res.output
+    rows = _rows(out)
+    assert {r["node"] for r in rows if r["step"] == 2} == {"x", "q", "l"}
+    for name in ("x", "q", "l"):
+        assert (out / "nodes" / name / "latest").exists()
+    # Horizontal: every node samples its share (2, 1, 1 of G = 4) of every prompt.
+    step1 = {r["node"]: r for r in rows if r["step"] == 1}
+    assert step1["x"]["exchange/sequences_received"] == 3 * (1 + 1)
+    assert step1["q"]["exchange/sequences_received"] == 3 * (2 + 1)
+
+
+def test_peers_with_different_tokenizers_are_refused(tmp_path):
+    path = tmp_path / "other-model"
+    build_model(ModelConfig(preset="llama-xs")).save_pretrained(path)
+    tok = char_tokenizer()
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(path)
+    data = tiny_run_config(steps=1)
+    data["nodes"] = _nodes(("a", {"preset": "llama-xs"}))
+    data["nodes"].append({"name": "b", "model": {"path": str(path)}})
+    res, _ = _run(tmp_path, data)
+    assert res.exit_code == 2
+    assert "share one tokenizer" in res.output and "Traceback" not in res.output
+
+
+def test_identical_models_stay_identical(tmp_path):
+    """Two copies of one model that share everything train on the same samples, so they take the
+    same steps: their losses and evaluations agree at every step."""
+    data = tiny_run_config(steps=3)
+    data["nodes"] = _nodes(("p", {"preset": "llama-xs"}), ("q", {"preset": "llama-xs"}))
+    res, out = _run(tmp_path, data)
+    assert res.exit_code == 0, res.output
+    rows = _rows(out)
+    for step in range(4):
+        p, q = (
+            {k: v for k, v in _stable(r).items() if k.startswith(("loss/", "eval/", "reward/mean"))}
+            for r in rows
+            if r["step"] == step and r["node"] in ("p", "q")
+        )
+        assert p.keys() == q.keys()
+        for k in p:
+            assert p[k] == pytest.approx(q[k], abs=1e-5), (step, k)
+
+
+def test_one_distributed_node_equals_the_single_node_trainer(tmp_path):
+    data = tiny_run_config(steps=2)
+    res, local = _run(tmp_path, data, "local")
+    assert res.exit_code == 0, res.output
+    dist_out = tmp_path / "dist"
+    env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=1",
+            "-m",
+            "ftis.worker",
+            str(tmp_path / "local.yaml"),
+            "--out",
+            str(dist_out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a = [_stable(r) for r in _rows(local)]
+    b = [_stable(r) for r in _rows(dist_out)]
+    assert len(a) == len(b)
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert ra[k] == pytest.approx(rb[k], abs=1e-6), k
