@@ -108,6 +108,7 @@ def train_node(
     if progress:
         progress("step", step=0, total=tc.steps, metrics=first_eval)
 
+    generated = 0  # completion tokens this node has sampled: the compute axis of equal-budget plots
     for step in range(1, tc.steps + 1):
         t_step = time.perf_counter()
         with timer("sample"):
@@ -149,7 +150,11 @@ def train_node(
                 metrics["train/skipped_update"] = 1
         metrics.update(_reward_metrics(batch, rewards, rank))
         metrics.update(_exchange_metrics(exchange, own, batch))
+        generated += own.num_tokens
+        metrics["train/generated_tokens"] = float(own.num_tokens)
+        metrics["train/generated_tokens_total"] = float(generated)
         metrics["train/step_seconds"] = time.perf_counter() - t_step
+        metrics["train/elapsed_seconds"] = time.perf_counter() - t_start
         if step == tc.steps or (cfg.eval.every and step % cfg.eval.every == 0):
             last_eval = run_eval(step)
             metrics.update(last_eval)
