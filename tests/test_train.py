@@ -155,3 +155,50 @@ def test_warm_start_mix_needs_the_arithmetic_task():
     )
     with pytest.raises(ValueError, match="only applies to the arithmetic task"):
         warm_start(ModelConfig(preset="llama-xs"), WarmStartConfig(steps=1, mix={"+": 1.0}), gsm)
+
+
+@pytest.mark.parametrize("method", ["f-tis", "vis"])
+def test_skipping_zero_advantage_sequences_is_exact(method):
+    node = _node(method)
+    batch = _batch(node)
+    batch.sampler_logprobs = batch.sampler_logprobs - 0.3 * batch.mask
+    adv = torch.linspace(-1, 1, batch.num_sequences)
+    adv[:4] = 0.0  # a group whose rewards were all equal
+    adv[7] = 0.0
+
+    def run(skip: bool):
+        n = copy.deepcopy(node)
+        grads = {}
+        step = n.optimizer.step
+
+        def capture():
+            grads["g"] = [p.grad.clone() for p in n.model.parameters()]
+            step()
+
+        n.optimizer.step = capture
+        m = phases.update(n, TASK, batch, adv, loss_cfg=n.cfg.loss, micro_batch_size=5,
+                          skip_zero_advantage=skip)
+        return grads["g"], m
+
+    # Gradients, not weights: Adam's first step is lr * sign(g), which turns fp noise on a
+    # near-zero gradient element into a full-size step.
+    g_full, m_full = run(False)
+    g_skip, m_skip = run(True)
+    for a, b in zip(g_full, g_skip):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert m_skip["loss"] == pytest.approx(m_full["loss"], abs=1e-6)
+    assert m_skip["active_frac"] == pytest.approx(1 - 5 / batch.num_sequences)
+
+
+def test_all_zero_advantages_still_step_adam_like_a_zero_gradient():
+    node = _node("f-tis")
+    batch = _batch(node)
+    # Give Adam momentum first, so a zero-gradient step still moves the weights.
+    phases.update(node, TASK, batch, torch.linspace(-1, 1, batch.num_sequences),
+                  loss_cfg=node.cfg.loss, micro_batch_size=0)
+    zeros = torch.zeros(batch.num_sequences)
+    a, b = copy.deepcopy(node), copy.deepcopy(node)
+    phases.update(a, TASK, batch, zeros, loss_cfg=a.cfg.loss, micro_batch_size=0, skip_zero_advantage=False)
+    phases.update(b, TASK, batch, zeros, loss_cfg=b.cfg.loss, micro_batch_size=0, skip_zero_advantage=True)
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        torch.testing.assert_close(pa, pb, atol=1e-7, rtol=0)

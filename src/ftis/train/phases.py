@@ -116,21 +116,32 @@ def update(
     *,
     loss_cfg: LossConfig,
     micro_batch_size: int,
+    skip_zero_advantage: bool = True,
 ) -> dict[str, float]:
     """One optimizer step on `batch`: receiver log-probs, policy loss, backward, clip, step.
 
     Micro-batches accumulate gradients; the loss divides by the global N, so the update is the
     same however the batch is split (docs/math.md §3). A non-finite loss or gradient skips the
     step and raises NonFiniteError after zeroing the gradients.
+
+    Sequences whose advantage is exactly 0 (groups whose rewards were all equal) contribute
+    exactly 0 to the loss and its gradient under every method, so with filter_mode "zero" they are
+    not run through the model at all (`skip_zero_advantage`); N still counts them. The IS and
+    filter statistics are then over the sequences that were run (`loss/active_frac` of N).
     """
     tok = node.tokenizer
+    n_total = batch.num_sequences
+    if skip_zero_advantage and loss_cfg.filter_mode == "zero":
+        active = advantages != 0
+        if not bool(active.all()):
+            batch, advantages = batch.select(active), advantages[active]
     n = batch.num_sequences
     train = task.split("train")
     prompt_cache: dict[int, list[int]] = {}
     for i in batch.prompt_index.tolist():
         if i not in prompt_cache:
             prompt_cache[i] = task.prompt_ids(train[i], tok)
-    mb = micro_batch_size or n
+    mb = micro_batch_size or max(n, 1)
     totals: dict[str, float] = {}
     node.optimizer.zero_grad(set_to_none=True)
     mask_all = batch.mask
@@ -161,7 +172,7 @@ def update(
             filter_threshold=loss_cfg.filter_threshold,
             filter_stat_norm=loss_cfg.filter_stat_norm,
             filter_mode=loss_cfg.filter_mode,
-            num_sequences=n if loss_cfg.filter_mode == "zero" else None,
+            num_sequences=n_total if loss_cfg.filter_mode == "zero" else None,
         )
         if not torch.isfinite(loss):
             node.optimizer.zero_grad(set_to_none=True)
@@ -179,6 +190,14 @@ def update(
             else:
                 totals[k] = totals.get(k, 0.0) + v * weight
     params = [p for p in node.model.parameters() if p.requires_grad]
+    if n == 0:
+        # Nothing to run: the exact gradient is 0. Adam still steps (its moments move), as it
+        # would have after a full backward pass of zeros.
+        for p in params:
+            p.grad = torch.zeros_like(p)
+    else:
+        totals["filtered_frac"] = totals.get("filtered_frac", 0.0) * n / n_total
+    totals["active_frac"] = n / n_total if n_total else 0.0
     grad_norm = torch.nn.utils.clip_grad_norm_(params, node.cfg.optim.grad_clip)
     if not torch.isfinite(grad_norm):
         node.optimizer.zero_grad(set_to_none=True)
