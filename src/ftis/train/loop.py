@@ -209,6 +209,8 @@ def _exchange_metrics(
         "exchange/seconds": s.seconds,
         "exchange/rejected": float(s.rejected),
         "exchange/sequences_received": float(batch.num_sequences - own.num_sequences),
+        # encode_seconds, comm_seconds (includes waiting for slower peers), decode_seconds
+        **{f"exchange/{k}": float(v) for k, v in s.extra.items()},
     }
     if own.num_tokens:
         out["exchange/bytes_per_token"] = s.bytes_sent / own.num_tokens
