@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import resource
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -155,6 +156,7 @@ def train_node(
         metrics["train/generated_tokens_total"] = float(generated)
         metrics["train/step_seconds"] = time.perf_counter() - t_step
         metrics["train/elapsed_seconds"] = time.perf_counter() - t_start
+        metrics["memory/peak_rss_mb"] = peak_rss_mb()
         if step == tc.steps or (cfg.eval.every and step % cfg.eval.every == 0):
             last_eval = run_eval(step)
             metrics.update(last_eval)
@@ -182,6 +184,11 @@ def train_node(
         wall_seconds=time.perf_counter() - t_start,
         steps=tc.steps,
     )
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _reward_metrics(batch: RolloutBatch, rewards: torch.Tensor, rank: int) -> dict[str, float]:
