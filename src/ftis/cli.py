@@ -141,6 +141,81 @@ def compare(
 
 
 @app.command()
+def sweep(
+    study: Annotated[Path, typer.Argument(help="Study YAML, e.g. studies/paper.yaml.")],
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Study folder (default runs/study-<name>).")
+    ] = None,
+    only: Annotated[
+        str | None, typer.Option("--only", help="Only runs whose id matches this glob.")
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List the runs; run nothing.")] = False,
+    report_only: Annotated[
+        bool, typer.Option("--report-only", help="Only regenerate the results document.")
+    ] = False,
+    report_path: Annotated[
+        Path | None, typer.Option("--report", help="Results document (default: the study's).")
+    ] = None,
+    jobs: Annotated[int, typer.Option("--jobs", help="Runs at a time (only 1 for now).")] = 1,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
+) -> None:
+    """Run a study (a grid of runs, resumable) and regenerate its results document."""
+    _setup_logging(verbose)
+    from ftis.study import StudyError, load_study, plan, run_study, write_results
+
+    if jobs != 1:
+        _fail("--jobs: only 1 is supported (runs share the CPU; parallel runs distort timings)")
+    try:
+        st = load_study(study)
+    except StudyError as e:
+        _fail(str(e))
+    if dry_run:
+        rows = [
+            [r.id, r.variant, str(r.seed), status] for r, status in plan(st, out_dir=out, only=only)
+        ]
+        _print_table(["run", "variant", "seed", "status"], rows, title=f"study {st.spec.name}")
+        return
+    failed = {}
+    if not report_only:
+        failed = run_study(st, out_dir=out, only=only, console=console).failed
+    console.print(f"results: {write_results(st, out_dir=out, report_path=report_path)}")
+    if failed:
+        _fail(f"{len(failed)} run(s) failed: {', '.join(sorted(failed))}", code=1)
+
+
+@app.command()
+def bench(
+    quick: Annotated[bool, typer.Option("--quick", help="A short version (about a minute).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
+    out: Annotated[Path | None, typer.Option("--out", help="Markdown report (default docs/BENCHMARKS.md for a full run, none for --quick).")] = None,
+) -> None:
+    """Benchmarks side by side (ftis vs TRL, sampler vs generate, wire cost, scaling, memory).
+
+    Runs from a source checkout: the suite lives in the repository's bench/ folder."""
+    import json
+
+    _setup_logging(False)
+    repo = Path(__file__).resolve().parents[2]
+    if not (repo / "bench" / "run.py").exists():
+        _fail("ftis bench needs a source checkout (the bench/ folder beside src/): "
+              "git clone the project and pip install -e '.[dev]'")
+    sys.path.insert(0, str(repo))
+    from bench.run import flat_summary
+    from bench.run import main as bench_main
+
+    if out is None and not quick:
+        out = repo / "docs" / "BENCHMARKS.md"
+    results = bench_main(quick=quick, out=out)
+    if as_json:
+        typer.echo(json.dumps(flat_summary(results)))
+    else:
+        for k, v in results["summary"].items():
+            console.print(f"{k}: {v:.3f}")
+        if out is not None:
+            console.print(f"report: {out}")
+
+
+@app.command()
 def presets() -> None:
     """List the tiny built-in model presets."""
     from ftis.models.loading import ModelConfig, build_model, count_parameters
