@@ -1,0 +1,15 @@
+"""`ftis bench --quick --json` runs and emits the summary keys (no timing is asserted)."""
+
+import json
+import subprocess
+import sys
+
+
+def test_quick_bench_emits_the_summary_keys(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ftis.cli", "bench", "--quick", "--json"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("trl_step_time_ratio", "rollout_time_ratio", "bytes_per_token"):
+        assert isinstance(summary[key], float) and summary[key] > 0, key
+    assert summary["bytes_per_token"] <= 8
