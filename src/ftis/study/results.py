@@ -1,0 +1,519 @@
+"""Turn a study's run directories into docs/RESULTS.md: tables (mean ± std over seeds), curves and
+the equal-budget plots. Everything is recomputed from each run's metrics.jsonl.
+
+A section between READING_BEGIN and READING_END in an existing results file is hand-written and is
+carried over verbatim when the file is regenerated.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ftis.study.runner import RUN_META, STUDY_LOG, run_status
+from ftis.study.spec import RunSpec, Study
+from ftis.train.metrics import read_metrics
+
+log = logging.getLogger(__name__)
+
+READING_BEGIN = "<!-- BEGIN hand-written reading: kept when this file is regenerated -->"
+READING_END = "<!-- END hand-written reading -->"
+SPLITS = ("test", "ood")
+
+
+@dataclass
+class NodeCurve:
+    """One node of one run: eval points (step, tokens generated, RL wall seconds, acc per split)."""
+
+    steps: list[int] = field(default_factory=list)
+    tokens: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    acc: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    filtered: float | None = None
+
+    def final(self, split: str) -> float | None:
+        v = self.acc.get(split)
+        return v[-1] if v else None
+
+    def start(self, split: str) -> float | None:
+        v = self.acc.get(split)
+        return v[0] if v else None
+
+
+@dataclass
+class RunResult:
+    run: RunSpec
+    nodes: dict[str, NodeCurve]
+    seconds: float | None
+
+
+def node_curves(rows: list[dict[str, Any]]) -> dict[str, NodeCurve]:
+    """Per node, the eval points of a run. Tokens and wall time are 0 at step 0; wall time is the
+    RL part (train/elapsed_seconds minus the step-0 row's time/setup: model build, warm start)."""
+    out: dict[str, NodeCurve] = {}
+    by_node: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        if "node" in r:
+            by_node[r["node"]].append(r)
+    for node, mine in by_node.items():
+        mine.sort(key=lambda r: r["step"])
+        c = NodeCurve()
+        setup = next((float(r.get("time/setup") or 0.0) for r in mine if r["step"] == 0), 0.0)
+        filt = [
+            float(r["loss/filtered_frac"]) for r in mine if r.get("loss/filtered_frac") is not None
+        ]
+        c.filtered = sum(filt) / len(filt) if filt else None
+        for r in mine:
+            if r.get("eval/accuracy") is None:
+                continue
+            c.steps.append(int(r["step"]))
+            c.tokens.append(float(r.get("train/generated_tokens_total") or 0.0))
+            el = r.get("train/elapsed_seconds")
+            c.seconds.append(max(0.0, float(el) - setup) if el is not None else 0.0)
+            for split in SPLITS:
+                v = r.get(f"eval/{split}/accuracy")
+                if v is not None:
+                    c.acc[split].append(float(v))
+        out[node] = c
+    return out
+
+
+def collect(study: Study, out_dir: Path) -> tuple[list[RunResult], list[str]]:
+    """Results of the study's complete runs, and the ids of the runs that are not complete."""
+    results, missing = [], []
+    for run in study.runs:
+        d = out_dir / run.id
+        if run_status(d, run.config) != "done":
+            missing.append(run.id)
+            continue
+        seconds = None
+        try:
+            seconds = json.loads((d / RUN_META).read_text()).get("seconds")
+        except (OSError, ValueError):
+            pass
+        results.append(RunResult(run, node_curves(read_metrics(d / "metrics.jsonl")), seconds))
+    return results, missing
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1; 0 for a single value)."""
+    m = statistics.fmean(values)
+    s = statistics.stdev(values) if len(values) > 1 else 0.0
+    return m, s
+
+
+def fmt_pct(values: list[float]) -> str:
+    if not values:
+        return "-"
+    m, s = mean_std(values)
+    return f"{100 * m:.1f} ± {100 * s:.1f}"
+
+
+# ------------------------------------------------------------------------------------ grouping
+
+
+def _node_order(study: Study, pairing: str) -> list[str]:
+    for r in study.runs:
+        if r.pairing == pairing and r.node is None:
+            return [n.name for n in r.config.nodes]
+    return list(dict.fromkeys(r.node for r in study.runs if r.pairing == pairing and r.node))
+
+
+def _variant_order(study: Study, pairing: str) -> list[str]:
+    return list(dict.fromkeys(r.variant for r in study.runs if r.pairing == pairing))
+
+
+def _label(study: Study, variant: str) -> str:
+    method, *rest = variant.split(" ")
+    m = study.spec.methods.get(method)
+    label = (m.label if m and m.label else method) if m else method
+    extra = ["horizontal" if x == "h" else x for x in rest]
+    return " ".join([label, *extra]) if extra else label
+
+
+def finals(
+    results: list[RunResult], pairing: str, variant: str, node: str, split: str
+) -> list[float]:
+    """Final accuracy of `node` over seeds, for one pairing and variant (alone runs included)."""
+    out = []
+    for res in results:
+        r = res.run
+        if r.pairing != pairing or r.variant != variant or (r.node not in (None, node)):
+            continue
+        c = res.nodes.get(node)
+        if c is not None and c.final(split) is not None:
+            out.append(c.final(split))
+    return out
+
+
+def starts(results: list[RunResult], pairing: str, node: str, split: str) -> list[float]:
+    """Step-0 accuracy of a node (the warm-started model), one value per distinct seed."""
+    by_seed = {}
+    for res in results:
+        c = res.nodes.get(node)
+        if res.run.pairing == pairing and c is not None and c.start(split) is not None:
+            by_seed.setdefault(res.run.seed, c.start(split))
+    return list(by_seed.values())
+
+
+# ---------------------------------------------------------------------------------------- plots
+
+
+def _mean_curve(curves: list[NodeCurve], x: str, split: str = "test"):
+    """Mean x and mean accuracy at each eval index over seeds (curves share their eval steps)."""
+    n = min(len(c.steps) for c in curves)
+    xs = [statistics.fmean(getattr(c, x)[i] for c in curves) for i in range(n)]
+    ys = [100 * statistics.fmean(c.acc[split][i] for c in curves) for i in range(n)]
+    return xs, ys
+
+
+def _curves_for(results, pairing, variant, node) -> list[NodeCurve]:
+    out = []
+    for res in results:
+        r = res.run
+        if r.pairing == pairing and r.variant == variant and r.node in (None, node):
+            c = res.nodes.get(node)
+            if c is not None and c.steps:
+                out.append(c)
+    return out
+
+
+def plot_grid(study: Study, results: list[RunResult], path: Path, *, x: str, variants=None) -> bool:
+    """Rows = pairings, columns = the pairing's nodes; one line per variant (mean over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairings = [p for p in study.spec.pairings if any(r.run.pairing == p for r in results)]
+    if not pairings:
+        return False
+    ncols = max(len(_node_order(study, p)) for p in pairings)
+    fig, axes = plt.subplots(
+        len(pairings), ncols, figsize=(5.2 * ncols, 3.4 * len(pairings)), squeeze=False
+    )
+    xlabel = {
+        "steps": "RL step",
+        "tokens": "completion tokens generated by this node",
+        "seconds": "RL wall time of the run (s)",
+    }[x]
+    for i, p in enumerate(pairings):
+        nodes = _node_order(study, p)
+        for j in range(ncols):
+            ax = axes[i][j]
+            if j >= len(nodes):
+                ax.axis("off")
+                continue
+            for v in variants or _variant_order(study, p):
+                if v not in _variant_order(study, p):
+                    continue
+                curves = _curves_for(results, p, v, nodes[j])
+                if not curves:
+                    continue
+                xs, ys = _mean_curve(curves, x)
+                style = "--" if v.split(" ")[0] == "alone" else "-"
+                ax.plot(
+                    xs, ys, style, marker="o", ms=2.5, label=f"{_label(study, v)} (n={len(curves)})"
+                )
+            label = study.spec.pairings[p].label or p
+            ax.set_title(f"{label}: {nodes[j]}", fontsize=10)
+            ax.set_xlabel(xlabel, fontsize=8)
+            ax.set_ylabel("greedy test accuracy (%)", fontsize=8)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6.5)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+# ------------------------------------------------------------------------------------- document
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" for _ in header) + "|",
+        *("| " + " | ".join(r) + " |" for r in rows),
+    ]
+
+
+def _main_variants(study: Study, pairing: str) -> list[str]:
+    return [v for v in _variant_order(study, pairing) if " " not in v]
+
+
+def _setup_lines(study: Study) -> list[str]:
+    lines = []
+    rows = []
+    for p, ps in study.spec.pairings.items():
+        r = next((r for r in study.runs if r.pairing == p and r.node is None), None)
+        r = r or next((r for r in study.runs if r.pairing == p), None)
+        if r is None:
+            continue
+        c = r.config
+        nodes = []
+        for n in c.nodes:
+            m = n.model.preset or n.model.path
+            if n.model.lora:
+                m += f" + LoRA r={n.model.lora.r}"
+            ws = f", warm start {n.warm_start.steps} steps" if n.warm_start else ""
+            if n.warm_start and n.warm_start.mix:
+                ws += f" on mix {json.dumps(n.warm_start.mix)}"
+            nodes.append(f"`{n.name}`: {m}{ws}, lr {n.optim.lr:g}")
+        task = c.task
+        tdesc = getattr(task, "ops", None)
+        rows.append(
+            [
+                ps.label or p,
+                "; ".join(nodes),
+                f"ops {json.dumps(tdesc)}" if tdesc is not None else task.kind,
+                f"{c.train.steps} x {c.train.prompts_per_step} prompts x G={c.train.group_size}",
+                f"{c.eval.size} test + {c.eval.size} ood, every {c.eval.every}",
+            ]
+        )
+    lines += _table(["pairing", "nodes", "task", "RL steps", "greedy eval"], rows)
+    return lines
+
+
+def render(
+    study: Study,
+    results: list[RunResult],
+    missing: list[str],
+    out_dir: Path,
+    report_path: Path,
+    reading: str,
+) -> str:
+    total = len(study.runs)
+    seconds = [r.seconds for r in results if r.seconds is not None]
+    seeds = sorted({r.run.seed for r in results})
+    rel = _rel(study.path)
+    L = [
+        f"# Results: study `{study.spec.name}`",
+        "",
+        "<!-- Generated by `ftis sweep` from the run directories; edit only the hand-written "
+        "section below. -->",
+        "",
+    ]
+    if missing:
+        L += [
+            f"> **Partial results: {len(results)} of {total} runs complete.** Missing: "
+            + ", ".join(f"`{m}`" for m in missing[:12])
+            + (f" and {len(missing) - 12} more" if len(missing) > 12 else "")
+            + f". Resume with `ftis sweep {rel}` (complete runs are skipped).",
+            "",
+        ]
+    if study.spec.description:
+        L += [study.spec.description.strip(), ""]
+    L += [
+        "## How to regenerate",
+        "",
+        "```bash",
+        f"ftis sweep {rel}                 # run every missing run, then rewrite this file",
+        f"ftis sweep {rel} --report-only   # rewrite this file from the existing run directories",
+        f"ftis sweep {rel} --dry-run       # list the runs and which are done",
+        "```",
+        "",
+        f"Run directories: `{_rel(out_dir)}/<run-id>/` (ordinary `ftis run` directories; "
+        "`ftis report DIR` draws one run). Seeds: " + ", ".join(map(str, seeds)) + " (`train.seed`:"
+        " prompt order and sampling; warm starts are shared across seeds).",
+        "",
+        "## Setup",
+        "",
+        *_setup_lines(study),
+        "",
+        f"{total} runs in the study ({len(results)} complete). Sum of the complete runs' wall "
+        f"times, warm starts included: {sum(seconds) / 60:.1f} min"
+        + (f" (mean {statistics.fmean(seconds):.0f} s per run)" if seconds else "")
+        + ". "
+        + _invocations_line(out_dir),
+        "",
+        "Accuracy is greedy accuracy on the task's held-out `test` split (in distribution) and "
+        "its `ood` split (3-term problems, never trained on), at the last step, as "
+        "**mean ± sample std over seeds** in percent. `Alone` trains each node by itself with "
+        "the plain clipped GRPO loss (`vis`) on its own samples, generating every group of a "
+        "step; in a two-node run each node generates half of the step's groups and trains on "
+        "all of them.",
+        "",
+    ]
+    L += ["## Final accuracy per pairing, method and node", ""]
+    for p, ps in study.spec.pairings.items():
+        if not any(r.run.pairing == p for r in results):
+            continue
+        nodes = _node_order(study, p)
+        header = ["method"] + [f"{n} {s}" for s in SPLITS for n in nodes] + ["seeds", "filtered"]
+        rows = [
+            ["start (step 0)"]
+            + [fmt_pct(starts(results, p, n, s)) for s in SPLITS for n in nodes]
+            + ["", ""]
+        ]
+        for v in _variant_order(study, p):
+            vals = [finals(results, p, v, n, s) for s in SPLITS for n in nodes]
+            if not any(vals):
+                continue
+            filt = [
+                c.filtered
+                for res in results
+                if res.run.pairing == p and res.run.variant == v
+                for c in res.nodes.values()
+                if c.filtered is not None
+            ]
+            n_seeds = len(
+                {res.run.seed for res in results if res.run.pairing == p and res.run.variant == v}
+            )
+            rows.append(
+                [_label(study, v)]
+                + [fmt_pct(x) for x in vals]
+                + [
+                    str(n_seeds),
+                    f"{100 * statistics.fmean(filt):.1f}%" if filt and v.startswith("f-") else "-",
+                ]
+            )
+        L += [f"### {ps.label or p}", ""]
+        if ps.description:
+            L += [ps.description, ""]
+        L += _table(header, rows) + [""]
+    L += [
+        "'filtered' is the mean fraction of training sequences the F- filter zeroed per step "
+        "(own and peers' samples together).",
+        "",
+        "## Gain over training alone",
+        "",
+        "Final test accuracy minus the same node's `Alone` accuracy, in percentage points "
+        "(difference of the seed means; ± the std of the per-seed differences, seeds paired).",
+        "",
+    ]
+    L += _gain_table(study, results)
+    L += ["", "## Curves", ""]
+    assets = report_path.parent / "results"
+    rel_assets = os.path.relpath(assets, report_path.parent)
+    for name, x, title in [
+        ("curves.png", "steps", "Test accuracy against RL step (mean over seeds)."),
+        (
+            "budget-tokens.png",
+            "tokens",
+            "Equal-budget view: test accuracy against the completion "
+            "tokens each node generated itself. With vertical sharing a node in a pair generates "
+            "half of what it trains on, so at a given token count it has taken twice as many steps "
+            "as Alone.",
+        ),
+        (
+            "budget-time.png",
+            "seconds",
+            "Equal-budget view: test accuracy against the run's RL "
+            "wall time (after warm start). Both nodes of a pair share the same 2 CPU cores, one "
+            "process each, while Alone has both cores to itself; on separate machines a pair's "
+            "wall time would be about that of one node.",
+        ),
+    ]:
+        variants = None if x == "steps" else _budget_variants(study)
+        if plot_grid(study, results, assets / name, x=x, variants=variants):
+            L += [title, "", f"![{name}]({rel_assets}/{name})", ""]
+    L += ["## Reading", "", READING_BEGIN, reading.strip() or "_Not written yet._", READING_END, ""]
+    return "\n".join(L)
+
+
+def _rel(path: Path) -> str:
+    """A path relative to the working directory when it lies under it (for commands in docs)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _budget_variants(study: Study) -> list[str]:
+    wanted = ["alone", "f-tis", "vis", "nois"]
+    return [m for m in wanted if m in study.spec.methods]
+
+
+def _gain_table(study: Study, results: list[RunResult]) -> list[str]:
+    rows = []
+    for p, ps in study.spec.pairings.items():
+        nodes = _node_order(study, p)
+        alone = [v for v in _variant_order(study, p) if study.spec.methods[v.split(" ")[0]].alone]
+        if not alone:
+            continue
+        for v in _variant_order(study, p):
+            if v in alone:
+                continue
+            cells = []
+            for n in nodes:
+                base = {
+                    res.run.seed: res.nodes[n].final("test")
+                    for res in results
+                    if res.run.pairing == p
+                    and res.run.variant == alone[0]
+                    and res.run.node == n
+                    and n in res.nodes
+                }
+                mine = {
+                    res.run.seed: res.nodes[n].final("test")
+                    for res in results
+                    if res.run.pairing == p and res.run.variant == v and n in res.nodes
+                }
+                common = sorted(set(base) & set(mine))
+                if not common:
+                    cells.append("-")
+                    continue
+                diffs = [100 * (mine[s] - base[s]) for s in common]
+                m, s = mean_std(diffs)
+                cells.append(f"{m:+.1f} ± {s:.1f}")
+            if any(c != "-" for c in cells):
+                rows.append(
+                    [ps.label or p, _label(study, v), *[f"{n}: {c}" for n, c in zip(nodes, cells)]]
+                )
+    if not rows:
+        return ["_No Alone baseline in the complete runs._"]
+    width = max(len(r) for r in rows)
+    rows = [r + [""] * (width - len(r)) for r in rows]
+    return _table(["pairing", "method"] + [f"node {i + 1}" for i in range(width - 2)], rows)
+
+
+def _invocations_line(out_dir: Path) -> str:
+    try:
+        inv = json.loads((out_dir / STUDY_LOG).read_text())["invocations"]
+    except (OSError, ValueError, KeyError):
+        return ""
+    ran = [i for i in inv if i.get("executed")]
+    if not ran:
+        return ""
+    total = sum(i["seconds"] for i in ran)
+    return (
+        f"`ftis sweep` wall time over {len(ran)} invocation(s) that ran something: "
+        f"{total / 60:.1f} min."
+    )
+
+
+def existing_reading(path: Path) -> str:
+    if not path.exists():
+        return ""
+    text = path.read_text()
+    if READING_BEGIN in text and READING_END in text:
+        return (
+            text.split(READING_BEGIN, 1)[1]
+            .split(READING_END, 1)[0]
+            .strip()
+            .removeprefix("_Not written yet._")
+        )
+    return ""
+
+
+def write_results(
+    study: Study, *, out_dir: Path | None = None, report_path: Path | None = None
+) -> Path:
+    """Regenerate the results document (and its plots) from the study's run directories."""
+    out_dir = Path(out_dir) if out_dir else study.out_dir
+    report_path = Path(report_path) if report_path else Path(study.spec.report)
+    results, missing = collect(study, out_dir)
+    reading = existing_reading(report_path)
+    report_path.parent.mkdir(parents=True, exist_ok=True)
+    text = render(study, results, missing, out_dir, report_path, reading)
+    report_path.write_text(text)
+    log.info("results: %s (%d of %d runs complete)", report_path, len(results), len(study.runs))
+    return report_path

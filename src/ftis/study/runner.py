@@ -1,0 +1,187 @@
+"""Run a study: every run of the grid, one after another, each an ordinary run directory.
+
+Resume rule: a run whose metrics.jsonl has its final step for every node is done and skipped; any
+other existing run directory is incomplete and is deleted and run again from scratch (runs are
+short; redoing one is simpler and safer than resuming it mid-way).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ftis.config import RunConfig
+from ftis.study.spec import RunSpec, Study
+from ftis.train.metrics import read_metrics
+
+log = logging.getLogger(__name__)
+
+RUN_META = "study-run.json"  # written into each run directory: grid position, seconds, status
+STUDY_LOG = "study.json"  # written into the study's folder: one entry per `ftis sweep` invocation
+
+Status = Literal["done", "incomplete", "todo"]
+
+
+def run_status(run_dir: Path, cfg: RunConfig) -> Status:
+    """'done' when metrics.jsonl has step == train.steps for every node of `cfg`."""
+    path = run_dir / "metrics.jsonl"
+    if not run_dir.exists():
+        return "todo"
+    if not path.exists():
+        return "incomplete"
+    try:
+        rows = read_metrics(path)
+    except (OSError, ValueError):
+        return "incomplete"
+    last = {r.get("node") for r in rows if r.get("step") == cfg.train.steps}
+    return "done" if all(n.name in last for n in cfg.nodes) else "incomplete"
+
+
+@dataclass
+class SweepOutcome:
+    selected: int = 0
+    skipped: list[str] = field(default_factory=list)
+    executed: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+def execute_run(run: RunSpec, run_dir: Path, *, console: Console | None = None) -> float:
+    """Train one run from scratch into `run_dir` (deleted first if it exists); return seconds."""
+    from ftis.launch import run_local
+
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    cfg = run.config.model_copy(
+        update={"log": run.config.log.model_copy(update={"progress": False})}
+    )
+    (run_dir / "config.yaml").write_text(
+        yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    )
+    meta = {**run.meta(), "status": "running", "started": time.time()}
+    _write_json(run_dir / RUN_META, meta)
+    t0 = time.perf_counter()
+    run_local(cfg, run_dir, console=console)
+    seconds = time.perf_counter() - t0
+    _write_json(run_dir / RUN_META, {**meta, "status": "done", "seconds": seconds})
+    return seconds
+
+
+def _fmt_s(s: float) -> str:
+    m, s = divmod(int(s), 60)
+    return f"{m}m{s:02d}s"
+
+
+def run_study(
+    study: Study,
+    *,
+    out_dir: Path | None = None,
+    only: str | None = None,
+    console: Console | None = None,
+) -> SweepOutcome:
+    """Run every selected run not already done, sequentially. A failing run is logged and
+    recorded, and the sweep goes on; Ctrl-C stops it (the interrupted run is redone next time)."""
+    out_dir = Path(out_dir) if out_dir else study.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = study.select(only)
+    outcome = SweepOutcome(selected=len(runs))
+    todo = []
+    # seed-major order: an interrupted study has every method for its first seeds
+    for r in sorted(
+        runs, key=lambda r: study.spec.seeds.index(r.seed) if r.seed in study.spec.seeds else 0
+    ):
+        if run_status(out_dir / r.id, r.config) == "done":
+            outcome.skipped.append(r.id)
+        else:
+            todo.append(r)
+    log.info(
+        "study %s: %d runs selected, %d already done, %d to run, into %s",
+        study.spec.name,
+        len(runs),
+        len(outcome.skipped),
+        len(todo),
+        out_dir,
+    )
+    t_start = time.time()
+    columns = [
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"),
+    ]
+    with Progress(*columns, console=console) as progress:
+        bar = progress.add_task(f"study {study.spec.name}", total=len(todo), info="")
+        for k, run in enumerate(todo, start=1):
+            eta = ""
+            if k > 1:  # mean time of the runs so far (failed ones included) x runs left
+                eta = f", about {_fmt_s((time.time() - t_start) / (k - 1) * (len(todo) - k + 1))} left"
+            progress.update(bar, info=f"run {k}/{len(todo)}: {run.id}{eta}")
+            try:
+                seconds = execute_run(run, out_dir / run.id, console=console)
+            except KeyboardInterrupt:
+                raise
+            except Exception as e:  # one failed run must not stop the study
+                outcome.failed[run.id] = f"{type(e).__name__}: {e}"
+                log.error("run %s failed: %s", run.id, outcome.failed[run.id])
+            else:
+                outcome.executed.append(run.id)
+                elapsed = time.time() - t_start
+                left = elapsed / k * (len(todo) - k)
+                log.info(
+                    "run %d/%d %s: %.0f s (study %s so far, about %s left)",
+                    k,
+                    len(todo),
+                    run.id,
+                    seconds,
+                    _fmt_s(elapsed),
+                    _fmt_s(left),
+                )
+            progress.advance(bar)
+    outcome.seconds = time.time() - t_start
+    _record_invocation(out_dir, study, outcome, t_start, only)
+    return outcome
+
+
+def _record_invocation(
+    out_dir: Path, study: Study, outcome: SweepOutcome, t_start: float, only: str | None
+) -> None:
+    path = out_dir / STUDY_LOG
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {"study": study.spec.name, "invocations": []}
+    data["invocations"].append(
+        {
+            "started": t_start,
+            "seconds": outcome.seconds,
+            "only": only,
+            "selected": outcome.selected,
+            "executed": len(outcome.executed),
+            "skipped": len(outcome.skipped),
+            "failed": sorted(outcome.failed),
+        }
+    )
+    _write_json(path, data)
+
+
+def plan(study: Study, *, out_dir: Path | None = None, only: str | None = None) -> list[tuple]:
+    """(run, status) for every selected run, without running anything (`--dry-run`)."""
+    out_dir = Path(out_dir) if out_dir else study.out_dir
+    return [(r, run_status(out_dir / r.id, r.config)) for r in study.select(only)]

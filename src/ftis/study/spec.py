@@ -1,0 +1,276 @@
+"""A study: a YAML file naming base configs ("pairings") and a grid of runs over them.
+
+    name: paper
+    set: [train.steps=40]                   # overrides for every run
+    seeds: [0, 1, 2]                        # train.seed; warm starts do not depend on it
+    pairings:
+      size: {config: configs/size.yaml}     # relative to the study file
+    methods:
+      alone: {loss: vis, alone: true}       # one one-node run per node of the pairing
+      f-tis: {loss: f-tis}
+    grid:                                   # blocks; each is a cartesian product
+      - {pairings: [size], methods: [alone, f-tis]}
+      - {pairings: [size], methods: [f-tis], schemes: [horizontal]}
+      - {pairings: [size], methods: [f-tis], thresholds: [5, 10]}
+
+Every grid point becomes a `RunSpec` with a stable id (e.g. `size-f-tis-h-s1`,
+`size-alone-small-s0`) and a fully validated `RunConfig`. Nothing here trains or touches disk
+beyond reading the study and its base configs.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ftis.config import ConfigError, RunConfig, format_validation_error, load_config
+from ftis.core.losses import LOSS_METHODS
+
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+class StudyError(ValueError):
+    """A study file is invalid; the message says where and how to fix it."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PairingSpec(_Strict):
+    config: str = Field(description="Base run config (YAML), relative to the study file.")
+    label: str | None = Field(None, description="Display name in the results; default: the key.")
+    description: str = Field("", description="One line for the results document.")
+    set: list[str] = Field(default_factory=list, description="Overrides for this pairing only.")
+
+
+class MethodSpec(_Strict):
+    loss: str = Field(description="loss.method given to every node of the run.")
+    label: str | None = Field(None, description="Display name, e.g. 'F-TIS'; default: the key.")
+    alone: bool = Field(
+        False, description="Train each node of the pairing alone: one one-node run per node."
+    )
+
+    @field_validator("loss")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in LOSS_METHODS:
+            raise ValueError(f"unknown loss method {v!r}; choose one of: {', '.join(LOSS_METHODS)}")
+        return v
+
+
+class GridBlock(_Strict):
+    """A cartesian product of pairings x methods x schemes x thresholds x seeds."""
+
+    pairings: list[str] = Field(min_length=1)
+    methods: list[str] = Field(min_length=1)
+    schemes: list[Literal["vertical", "horizontal"]] = Field(default_factory=lambda: ["vertical"])
+    thresholds: list[float | None] = Field(
+        default_factory=lambda: [None],
+        description="loss.filter_threshold (g); null keeps the base config's value.",
+    )
+    seeds: list[int] | None = Field(None, description="Default: the study's seeds.")
+
+
+class StudySpec(_Strict):
+    name: str = Field(description="Study name; default output runs/study-<name>.")
+    description: str = Field("", description="A paragraph for the results document.")
+    out: str | None = Field(None, description="Output folder; default runs/study-<name>.")
+    report: str = Field("docs/RESULTS.md", description="Results document, relative to the cwd.")
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
+    set: list[str] = Field(default_factory=list, description="Overrides for every run.")
+    pairings: dict[str, PairingSpec] = Field(min_length=1)
+    methods: dict[str, MethodSpec] = Field(min_length=1)
+    grid: list[GridBlock] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check_refs(self) -> StudySpec:
+        for key in [self.name, *self.pairings, *self.methods]:
+            if not _ID.fullmatch(key):
+                raise ValueError(
+                    f"name {key!r} must be letters, digits, '_', '-' or '.' (it names folders)"
+                )
+        for i, b in enumerate(self.grid):
+            for p in b.pairings:
+                if p not in self.pairings:
+                    raise ValueError(
+                        f"grid[{i}].pairings: {p!r} is not defined under pairings "
+                        f"(defined: {', '.join(self.pairings)})"
+                    )
+            for m in b.methods:
+                if m not in self.methods:
+                    raise ValueError(
+                        f"grid[{i}].methods: {m!r} is not defined under methods "
+                        f"(defined: {', '.join(self.methods)})"
+                    )
+        return self
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of a study: where it sits in the grid, and its validated config."""
+
+    id: str
+    pairing: str
+    method: str
+    scheme: str
+    threshold: float | None
+    seed: int
+    node: str | None  # the node trained alone, for `alone` methods
+    config: RunConfig = field(compare=False, repr=False)
+
+    @property
+    def variant(self) -> str:
+        """The method plus any ablation axes, e.g. 'f-tis', 'f-tis h', 'f-tis g=5'."""
+        parts = [self.method]
+        if self.scheme != "vertical":
+            parts.append("h")
+        if self.threshold is not None:
+            parts.append(f"g={self.threshold:g}")
+        return " ".join(parts)
+
+    def meta(self) -> dict:
+        return {
+            "id": self.id,
+            "pairing": self.pairing,
+            "method": self.method,
+            "scheme": self.scheme,
+            "threshold": self.threshold,
+            "seed": self.seed,
+            "node": self.node,
+            "variant": self.variant,
+        }
+
+
+@dataclass
+class Study:
+    spec: StudySpec
+    path: Path
+    runs: list[RunSpec]
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.spec.out) if self.spec.out else Path("runs") / f"study-{self.spec.name}"
+
+    def select(self, pattern: str | None) -> list[RunSpec]:
+        """Runs whose id matches a glob pattern (`size-*`, `*-f-tis-*`); all when None."""
+        if not pattern:
+            return list(self.runs)
+        return [r for r in self.runs if fnmatch.fnmatchcase(r.id, pattern)]
+
+
+def read_study_spec(path: str | Path) -> StudySpec:
+    path = Path(path)
+    if not path.exists():
+        raise StudyError(f"study file {str(path)!r} does not exist; give a YAML path")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise StudyError(f"study file {str(path)!r} is not valid YAML: {e}") from e
+    try:
+        return StudySpec.model_validate(data)
+    except ValidationError as e:
+        raise StudyError(
+            f"study {path}: " + format_validation_error(e).replace("config", "study", 1)
+        ) from None
+
+
+def _fmt_threshold(g: float) -> str:
+    return f"{g:g}".replace(".", "p")
+
+
+def run_id(
+    pairing: str, method: str, scheme: str, threshold: float | None, seed: int, node: str | None
+) -> str:
+    parts = [pairing, method]
+    if node is not None:
+        parts.append(node)
+    if scheme != "vertical":
+        parts.append("h")
+    if threshold is not None:
+        parts.append(f"g{_fmt_threshold(threshold)}")
+    parts.append(f"s{seed}")
+    return "-".join(parts)
+
+
+def _node_overrides(n_nodes: int, loss: str, threshold: float | None) -> list[str]:
+    out = []
+    for i in range(n_nodes):
+        out.append(f"nodes.{i}.loss.method={loss}")
+        if threshold is not None:
+            out.append(f"nodes.{i}.loss.filter_threshold={threshold}")
+    return out
+
+
+def _build(config_path: Path, overrides: list[str], where: str) -> RunConfig:
+    try:
+        return load_config(config_path, overrides)
+    except ConfigError as e:
+        raise StudyError(f"{where}: {e}") from None
+
+
+def _alone(cfg: RunConfig, index: int, name: str, where: str) -> RunConfig:
+    data = cfg.model_dump(mode="json")
+    data["nodes"] = [data["nodes"][index]]
+    data["name"] = name
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise StudyError(f"{where}: {format_validation_error(e)}") from None
+
+
+def expand(spec: StudySpec, study_path: Path) -> list[RunSpec]:
+    """Every run of the grid, in grid order, each id once (a later duplicate is dropped)."""
+    base_dir = study_path.parent
+    runs: dict[str, RunSpec] = {}
+    for block in spec.grid:
+        seeds = block.seeds if block.seeds is not None else spec.seeds
+        for pairing, method, scheme, g, seed in itertools.product(
+            block.pairings, block.methods, block.schemes, block.thresholds, seeds
+        ):
+            p, m = spec.pairings[pairing], spec.methods[method]
+            cfg_path = (base_dir / p.config).resolve()
+            head = _build(cfg_path, [], f"pairing {pairing!r} ({p.config})")
+            overrides = [
+                *spec.set,
+                *p.set,
+                *_node_overrides(len(head.nodes), m.loss, g),
+                f"sharing.scheme={scheme}",
+                f"train.seed={seed}",
+            ]
+            if m.alone:
+                targets = [(i, n.name) for i, n in enumerate(head.nodes)]
+            else:
+                targets = [(None, None)]
+            for index, node in targets:
+                rid = run_id(pairing, method, scheme, g, seed, node)
+                if rid in runs:
+                    continue
+                cfg = _build(cfg_path, overrides + [f"name={rid}"], f"run {rid}")
+                if index is not None:
+                    cfg = _alone(cfg, index, rid, f"run {rid}")
+                runs[rid] = RunSpec(
+                    id=rid,
+                    pairing=pairing,
+                    method=method,
+                    scheme=scheme,
+                    threshold=g,
+                    seed=seed,
+                    node=node,
+                    config=cfg,
+                )
+    return list(runs.values())
+
+
+def load_study(path: str | Path) -> Study:
+    """Read, validate and expand a study file."""
+    path = Path(path)
+    spec = read_study_spec(path)
+    return Study(spec=spec, path=path, runs=expand(spec, path))

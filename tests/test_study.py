@@ -1,0 +1,223 @@
+"""The sweep machinery: grid expansion, resume, results from hand-written run directories, and one
+tiny real sweep through the CLI."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from ftis.cli import app
+from ftis.study import StudyError, load_study, plan, run_study, write_results
+from ftis.study.results import READING_BEGIN, READING_END, collect, finals
+from tests.conftest import tiny_run_config
+
+
+def _pair_config() -> dict:
+    cfg = tiny_run_config()
+    cfg["nodes"] = [
+        {**cfg["nodes"][0], "name": "a"},
+        {**cfg["nodes"][0], "name": "b", "model": {"preset": "llama-xs", "init_seed": 1}},
+    ]
+    return cfg
+
+
+def _write_study(tmp_path: Path, **extra) -> Path:
+    (tmp_path / "pair.yaml").write_text(yaml.safe_dump(_pair_config()))
+    study = {
+        "name": "t",
+        "out": str(tmp_path / "out"),
+        "report": str(tmp_path / "RESULTS.md"),
+        "seeds": [0, 1, 2],
+        "pairings": {"pair": {"config": "pair.yaml"}},
+        "methods": {
+            "alone": {"loss": "vis", "alone": True, "label": "Alone"},
+            "nois": {"loss": "nois", "label": "NoIS"},
+            "f-tis": {"loss": "f-tis", "label": "F-TIS"},
+        },
+        "grid": [
+            {"pairings": ["pair"], "methods": ["alone", "nois", "f-tis"]},
+            {"pairings": ["pair"], "methods": ["f-tis"], "schemes": ["horizontal"]},
+            {"pairings": ["pair"], "methods": ["f-tis"], "thresholds": [5, 0.5], "seeds": [0]},
+        ],
+        **extra,
+    }
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(study))
+    return path
+
+
+class TestGrid:
+    def test_count_and_ids(self, tmp_path):
+        study = load_study(_write_study(tmp_path))
+        ids = [r.id for r in study.runs]
+        # alone: 2 nodes x 3 seeds; nois, f-tis: 3 seeds each; horizontal: 3; thresholds: 2 x 1
+        assert len(ids) == 6 + 3 + 3 + 3 + 2 == len(set(ids))
+        assert ids[:2] == ["pair-alone-a-s0", "pair-alone-b-s0"]
+        assert {"pair-nois-s2", "pair-f-tis-h-s1", "pair-f-tis-g5-s0", "pair-f-tis-g0p5-s0"} <= set(
+            ids
+        )
+
+    def test_configs_carry_the_grid_point(self, tmp_path):
+        runs = {r.id: r for r in load_study(_write_study(tmp_path)).runs}
+        alone = runs["pair-alone-b-s2"].config
+        assert [n.name for n in alone.nodes] == ["b"] and alone.nodes[0].loss.method == "vis"
+        assert alone.train.seed == 2 and alone.name == "pair-alone-b-s2"
+        h = runs["pair-f-tis-h-s1"].config
+        assert h.sharing.scheme == "horizontal" and {n.loss.method for n in h.nodes} == {"f-tis"}
+        g = runs["pair-f-tis-g5-s0"]
+        assert [n.loss.filter_threshold for n in g.config.nodes] == [5.0, 5.0]
+        assert g.variant == "f-tis g=5" and runs["pair-f-tis-s0"].variant == "f-tis"
+        # warm starts do not depend on the seed, so they are cached once per model
+        assert runs["pair-nois-s0"].config.nodes[0].warm_start == alone.nodes[0].warm_start
+
+    def test_only_selects_by_glob(self, tmp_path):
+        study = load_study(_write_study(tmp_path))
+        assert [r.id for r in study.select("*-g*")] == ["pair-f-tis-g5-s0", "pair-f-tis-g0p5-s0"]
+
+    def test_errors_name_the_problem(self, tmp_path):
+        path = _write_study(tmp_path)
+        data = yaml.safe_load(path.read_text())
+        data["grid"][0]["methods"].append("ppo")
+        path.write_text(yaml.safe_dump(data))
+        with pytest.raises(StudyError, match="'ppo' is not defined under methods"):
+            load_study(path)
+        data["grid"][0]["methods"].pop()
+        data["set"] = ["train.steps=-1"]
+        path.write_text(yaml.safe_dump(data))
+        with pytest.raises(
+            StudyError, match=r"run pair-alone-a-s0: invalid config:\n  train.steps"
+        ):
+            load_study(path)
+
+
+def _fake_metrics(run_dir: Path, cfg, acc: dict[str, float], last_step: int | None = None) -> None:
+    """metrics.jsonl rows as the loop writes them: eval at step 0 and at the end."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    steps = cfg.train.steps if last_step is None else last_step
+    with (run_dir / "metrics.jsonl").open("w") as f:
+        for node in cfg.nodes:
+            for step in range(steps + 1):
+                row = {"step": step, "node": node.name}
+                if step == 0:
+                    row.update({"eval/accuracy": 0.1, "eval/test/accuracy": 0.1, "time/setup": 1})
+                    row["eval/ood/accuracy"] = 0.0
+                else:
+                    row["train/generated_tokens_total"] = 100.0 * step
+                    row["train/elapsed_seconds"] = 1.0 + step
+                    row["loss/filtered_frac"] = 0.25
+                if step == cfg.train.steps:
+                    a = acc[node.name]
+                    row.update({"eval/accuracy": a, "eval/test/accuracy": a})
+                    row["eval/ood/accuracy"] = a / 2
+                f.write(json.dumps(row) + "\n")
+
+
+class TestResume:
+    def test_skips_done_redoes_incomplete(self, tmp_path, monkeypatch):
+        study = load_study(_write_study(tmp_path))
+        out = study.out_dir
+        runs = {r.id: r for r in study.runs}
+        done, partial = runs["pair-nois-s0"], runs["pair-nois-s1"]
+        _fake_metrics(out / done.id, done.config, {"a": 0.5, "b": 0.5})
+        _fake_metrics(out / partial.id, partial.config, {"a": 0.5, "b": 0.5}, last_step=2)
+        (out / partial.id / "stale.txt").write_text("from the interrupted attempt")
+        status = {r.id: s for r, s in plan(study)}
+        assert status[done.id] == "done" and status[partial.id] == "incomplete"
+        assert status["pair-nois-s2"] == "todo"
+
+        calls = []
+
+        def fake_run_local(cfg, run_dir, *, console=None):
+            calls.append(cfg.name)
+            assert not (run_dir / "stale.txt").exists()  # redone from scratch
+            assert (run_dir / "config.yaml").exists() and not cfg.log.progress
+            _fake_metrics(run_dir, cfg, {n.name: 0.5 for n in cfg.nodes})
+
+        monkeypatch.setattr("ftis.launch.run_local", fake_run_local)
+        outcome = run_study(study, only="pair-nois-*")
+        assert outcome.skipped == [done.id]
+        assert sorted(calls) == ["pair-nois-s1", "pair-nois-s2"] == sorted(outcome.executed)
+        assert run_study(study, only="pair-nois-*").executed == []  # everything done now
+        log = json.loads((out / "study.json").read_text())["invocations"]
+        assert [i["executed"] for i in log] == [2, 0]
+
+    def test_a_failed_run_does_not_stop_the_sweep(self, tmp_path, monkeypatch):
+        study = load_study(_write_study(tmp_path))
+
+        def fake_run_local(cfg, run_dir, *, console=None):
+            if cfg.name.endswith("s1"):
+                raise RuntimeError("boom")
+            _fake_metrics(run_dir, cfg, {n.name: 0.5 for n in cfg.nodes})
+
+        monkeypatch.setattr("ftis.launch.run_local", fake_run_local)
+        outcome = run_study(study, only="pair-nois-*")
+        assert outcome.failed == {"pair-nois-s1": "RuntimeError: boom"}
+        assert outcome.executed == ["pair-nois-s0", "pair-nois-s2"]
+        assert plan(study, only="pair-nois-s1")[0][1] == "incomplete"
+
+
+def _cells(text: str, prefix: str) -> list[str]:
+    line = next(line for line in text.splitlines() if line.startswith(prefix))
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+class TestResults:
+    def test_tables_give_mean_and_sample_std(self, tmp_path):
+        study = load_study(_write_study(tmp_path))
+        out = study.out_dir
+        runs = {r.id: r for r in study.runs}
+        f_tis = {0: (0.50, 0.40), 1: (0.60, 0.50), 2: (0.70, 0.90)}  # seed -> (a, b)
+        for seed, (a, b) in f_tis.items():
+            r = runs[f"pair-f-tis-s{seed}"]
+            _fake_metrics(out / r.id, r.config, {"a": a, "b": b})
+            for node, v in (("a", 0.45), ("b", 0.40)):
+                r = runs[f"pair-alone-{node}-s{seed}"]
+                _fake_metrics(out / r.id, r.config, {node: v + 0.05 * seed})
+        results, missing = collect(study, out)
+        assert len(results) == 9 and len(missing) == len(study.runs) - 9
+        assert finals(results, "pair", "f-tis", "b", "test") == [0.40, 0.50, 0.90]
+        assert finals(results, "pair", "alone", "a", "test") == pytest.approx([0.45, 0.50, 0.55])
+
+        report = tmp_path / "RESULTS.md"
+        report.write_text(f"old\n{READING_BEGIN}\nMy reading.\n{READING_END}\n")
+        write_results(study)
+        text = report.read_text()
+        # b under F-TIS: mean 60.0, sample std of (40, 50, 90) = 26.5 (hand: sqrt(1400/2))
+        assert statistics.stdev([40, 50, 90]) == pytest.approx(26.4575, abs=1e-4)
+        row = _cells(text, "| F-TIS |")
+        assert row[1:] == ["60.0 ± 10.0", "60.0 ± 26.5", "30.0 ± 5.0", "30.0 ± 13.2", "3", "25.0%"]
+        assert _cells(text, "| Alone |")[1:3] == ["50.0 ± 5.0", "45.0 ± 5.0"]
+        # gain over alone, seeds paired: a: (5, 10, 15) pp -> +10.0 ± 5.0;
+        # b: (0, 5, 40) pp -> +15.0 ± sqrt((15^2 + 10^2 + 25^2) / 2) = 21.8
+        gain = next(line for line in text.splitlines() if "| F-TIS | a:" in line)
+        assert "a: +10.0 ± 5.0" in gain and "b: +15.0 ± 21.8" in gain
+        assert "Partial results: 9 of 17 runs complete" in text
+        assert "My reading." in text and text.count(READING_BEGIN) == 1
+        for png in ("curves.png", "budget-tokens.png", "budget-time.png"):
+            assert (tmp_path / "results" / png).exists() and f"results/{png}" in text
+
+
+def test_tiny_sweep_through_the_cli(tmp_path):
+    """Two real one-node runs (llama-xs, 2 steps), then --report-only and a resumed no-op."""
+    path = _write_study(tmp_path)
+    data = yaml.safe_load(path.read_text())
+    data["grid"] = [{"pairings": ["pair"], "methods": ["alone"], "seeds": [0]}]
+    data["set"] = ["train.steps=2", "nodes.0.warm_start.steps=10", "nodes.1.warm_start.steps=10"]
+    path.write_text(yaml.safe_dump(data))
+    runner = CliRunner()
+    res = runner.invoke(app, ["sweep", str(path)])
+    assert res.exit_code == 0, res.output
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "| Alone |" in text and "Partial" not in text
+    for rid in ("pair-alone-a-s0", "pair-alone-b-s0"):
+        rows = (tmp_path / "out" / rid / "metrics.jsonl").read_text().splitlines()
+        assert json.loads(rows[-1])["step"] == 2
+    res = runner.invoke(app, ["sweep", str(path), "--report-only"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["sweep", str(path), "--dry-run"])
+    assert res.exit_code == 0 and res.output.count("done") == 2
