@@ -11,8 +11,6 @@ from __future__ import annotations
 import tempfile
 import time
 
-import torch
-
 from bench.common import TASK, median
 from ftis.config import LossConfig, NodeConfig, OptimConfig, TrainConfig
 from ftis.models.loading import ModelConfig, build_model, load_tokenizer
@@ -34,13 +32,12 @@ def ftis_steps(model_path: str, *, prompts: int, group: int, length: int, steps:
                 optimizer=build_optimizer(model, cfg.optim))
     train = task.split("train")
     tc = TrainConfig(max_new_tokens=length, group_size=group, prompts_per_step=prompts)
-    gen = torch.Generator().manual_seed(0)
     times, lengths = [], []
     for step in range(warmup + steps):
         t0 = time.perf_counter()
         idx = phases.step_prompts(0, step + 1, prompts, len(train))
-        batch = phases.generate(node, task, [train[i] for i in idx], num_samples=group, cfg=tc,
-                                generator=gen)
+        problems = [train[k] for k in idx]
+        batch = phases.generate(node, task, problems, slots=(0, group), cfg=tc, step=step + 1)
         rewards = phases.score(task, tok, batch)
         adv = phases.advantages_for(batch, rewards, "std")
         phases.update(node, task, batch, adv, loss_cfg=cfg.loss, micro_batch_size=0,

@@ -34,20 +34,14 @@ def _node(method="f-tis", lr=1e-3) -> Node:
 
 def _batch(node: Node, n_prompts=3, g=4) -> RolloutBatch:
     train = TASK.split("train")
-    return phases.generate(
-        node,
-        TASK,
-        [train[i] for i in range(n_prompts)],
-        num_samples=g,
-        cfg=_train_cfg(),
-        generator=torch.Generator().manual_seed(0),
-    )
+    problems = [train[i] for i in range(n_prompts)]
+    return phases.generate(node, TASK, problems, slots=(0, g), cfg=_train_cfg(g), step=1)
 
 
-def _train_cfg():
+def _train_cfg(g=4):
     from ftis.config import TrainConfig
 
-    return TrainConfig(max_new_tokens=5)
+    return TrainConfig(max_new_tokens=5, group_size=g)
 
 
 def _grads_after_update(node: Node, batch, adv, mb: int) -> list[torch.Tensor]:
@@ -111,16 +105,21 @@ def test_score_uses_the_receivers_verifier():
 
 def test_prompt_assignment():
     idx = list(range(10))
-    mine = [
-        phases.assign_prompts(idx, rank=r, world_size=3, scheme="vertical", group_size=8)
+    mine = [phases.assign_prompts(idx, rank=r, world_size=3, scheme="vertical") for r in range(3)]
+    assert sorted(i for m in mine for i in m) == idx
+    assert all(
+        phases.sample_slots(rank=r, world_size=3, scheme="vertical", group_size=8) == (0, 8)
+        for r in range(3)
+    )
+    assert all(
+        phases.assign_prompts(idx, rank=r, world_size=3, scheme="horizontal") == idx
+        for r in range(3)
+    )
+    slots = [
+        phases.sample_slots(rank=r, world_size=3, scheme="horizontal", group_size=8)
         for r in range(3)
     ]
-    assert sorted(i for m, _ in mine for i in m) == idx and all(g == 8 for _, g in mine)
-    shares = [
-        phases.assign_prompts(idx, rank=r, world_size=3, scheme="horizontal", group_size=8)[1]
-        for r in range(3)
-    ]
-    assert shares == [3, 3, 2]
+    assert slots == [(0, 3), (3, 3), (6, 2)]  # disjoint, covering all G = 8 slots
     assert phases.step_prompts(0, 5, 8, 10**9) == phases.step_prompts(0, 5, 8, 10**9)
     assert phases.step_prompts(0, 5, 8, 10**9) != phases.step_prompts(0, 6, 8, 10**9)
     with pytest.raises(ValueError, match="prompts_per_step"):
@@ -202,3 +201,31 @@ def test_all_zero_advantages_still_step_adam_like_a_zero_gradient():
     phases.update(b, TASK, batch, zeros, loss_cfg=b.cfg.loss, micro_batch_size=0, skip_zero_advantage=True)
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
         torch.testing.assert_close(pa, pb, atol=1e-7, rtol=0)
+
+
+def test_samples_do_not_depend_on_how_prompts_are_split():
+    """Vertical sharing between identical nodes samples what one node sampling everything would."""
+    node = _node()
+    train = TASK.split("train")
+    problems = [train[i] for i in range(4)]
+    cfg = _train_cfg(4)
+    together = phases.generate(node, TASK, problems, slots=(0, 4), cfg=cfg, step=3)
+    parts = [
+        phases.generate(node, TASK, problems[r::2], slots=(0, 4), cfg=cfg, step=3)
+        for r in range(2)
+    ]
+    # Horizontal: two nodes sampling slots 0-1 and 2-3 of every group.
+    halves = [
+        phases.generate(node, TASK, problems, slots=(2 * r, 2), cfg=cfg, step=3) for r in range(2)
+    ]
+
+    def rows(batch, index, width):
+        ids = batch.completion_ids[batch.prompt_index == index]
+        return torch.nn.functional.pad(ids, (0, width - ids.shape[1]), value=0)
+
+    for i, p in enumerate(problems):
+        want = rows(together, p.index, 8)
+        assert torch.equal(rows(parts[i % 2], p.index, 8), want)
+        assert torch.equal(torch.cat([rows(h, p.index, 8) for h in halves]), want)
+    other_step = phases.generate(node, TASK, problems, slots=(0, 4), cfg=cfg, step=4)
+    assert not torch.equal(rows(other_step, 0, 8), rows(together, 0, 8))

@@ -64,14 +64,26 @@ def sample(
     pad_id: int,
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
 ) -> Samples:
     """Sample `num_samples` completions for each prompt (temperature 0 = greedy).
+
+    Randomness comes from `noise` when given: (N, max_new_tokens) uniforms in [0, 1), one per
+    row and position, and token t of row i is the inverse-CDF draw at noise[i, t]. The samples
+    then depend only on the model, the prompt and that row's noise, not on which other rows
+    share the batch, so splitting prompts among identical nodes changes nothing. Otherwise
+    `torch.multinomial` draws from `generator`.
 
     With temperature 0 the recorded log-probs are the model's own (temperature 1) log-probs of
     the greedy tokens.
     """
     if num_samples < 1 or max_new_tokens < 1:
         raise ValueError("num_samples and max_new_tokens must be >= 1")
+    if noise is not None and noise.shape != (len(prompts) * num_samples, max_new_tokens):
+        raise ValueError(
+            f"noise must have shape ({len(prompts) * num_samples}, {max_new_tokens}), "
+            f"got {tuple(noise.shape)}"
+        )
     was_training = model.training
     model.eval()
     try:
@@ -104,7 +116,12 @@ def sample(
             logits = out.logits[:, -1, :].float()
             if temperature > 0:
                 logp = torch.log_softmax(logits / temperature, dim=-1)
-                tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+                if noise is not None:
+                    cdf = logp.exp().cumsum(-1)
+                    u = noise[:, t : t + 1].to(cdf.device) * cdf[:, -1:]
+                    tok = torch.searchsorted(cdf, u).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+                else:
+                    tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
             else:
                 logp = torch.log_softmax(logits, dim=-1)
                 tok = logp.argmax(-1)

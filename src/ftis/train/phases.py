@@ -6,6 +6,7 @@ sample -> exchange -> score -> advantages -> filter/loss -> update. No config ob
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from collections.abc import Sequence
@@ -36,18 +37,35 @@ def step_prompts(seed: int, step: int, num_prompts: int, train_size: int) -> lis
     return rng.sample(range(train_size), num_prompts)
 
 
-def assign_prompts(
-    indices: list[int], *, rank: int, world_size: int, scheme: str, group_size: int
-) -> tuple[list[int], int]:
-    """(this node's prompt indices, completions per prompt) under a sharing scheme.
+def assign_prompts(indices: list[int], *, rank: int, world_size: int, scheme: str) -> list[int]:
+    """This node's prompt indices under a sharing scheme.
 
     vertical: prompts are dealt out round-robin; each node samples whole groups of G.
-    horizontal: every node samples its share of G for every prompt (shares differ by at most 1).
+    horizontal: every node samples its share of G for every prompt (`sample_slots`).
     """
     if scheme == "vertical":
-        return indices[rank::world_size], group_size
-    share = group_size // world_size + (1 if rank < group_size % world_size else 0)
-    return (indices if share > 0 else []), share
+        return indices[rank::world_size]
+    return indices
+
+
+def sample_slots(*, rank: int, world_size: int, scheme: str, group_size: int) -> tuple[int, int]:
+    """(first slot, number of slots) of a group's G completion slots that this node samples."""
+    if scheme == "vertical":
+        return 0, group_size
+    base, extra = divmod(group_size, world_size)
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
+
+
+def group_noise(seed: int, step: int, prompt_index: int, group_size: int, length: int) -> torch.Tensor:
+    """(G, length) uniforms that drive the sampling of one prompt's group at one step.
+
+    Keyed by (seed, step, prompt) only, so a completion slot gets the same randomness whichever
+    node samples it: splitting a step's prompts among identical nodes gives the same samples as
+    one node sampling them all, and a resumed run samples what the uninterrupted one did.
+    """
+    key = hashlib.blake2b(f"ftis-sample:{seed}:{step}:{prompt_index}".encode(), digest_size=8)
+    g = torch.Generator().manual_seed(int.from_bytes(key.digest(), "little") & ((1 << 63) - 1))
+    return torch.rand((group_size, length), generator=g)
 
 
 def generate(
@@ -55,15 +73,21 @@ def generate(
     task: Task,
     problems: Sequence[Problem],
     *,
-    num_samples: int,
+    slots: tuple[int, int],
     cfg: TrainConfig,
-    generator: torch.Generator,
+    step: int,
 ) -> RolloutBatch:
-    """Sample `num_samples` completions per problem with the node's current model."""
+    """Sample the completion slots `slots` = (first, count) of each problem's group with the
+    node's current model, with the step's per-prompt noise (see `group_noise`)."""
     tok = node.tokenizer
+    first, num_samples = slots
     if not problems or num_samples == 0:
         return empty_batch(tok.pad_token_id)
     prompts = [task.prompt_ids(p, tok) for p in problems]
+    noise = torch.cat([
+        group_noise(cfg.seed, step, p.index, cfg.group_size, cfg.max_new_tokens)[first : first + num_samples]
+        for p in problems
+    ])
     out = sample(
         node.model,
         prompts,
@@ -72,7 +96,7 @@ def generate(
         eos_id=tok.eos_token_id,
         pad_id=tok.pad_token_id,
         temperature=cfg.temperature,
-        generator=generator,
+        noise=noise,
     )
     n = out.completion_ids.shape[0]
     index = torch.tensor([p.index for p in problems], dtype=torch.long)
@@ -211,3 +235,72 @@ def update(
 def advantages_for(batch: RolloutBatch, rewards: torch.Tensor, scale: str) -> torch.Tensor:
     """Group-relative advantages; a group is every sequence of one prompt (docs/math.md §2)."""
     return flat_group_advantages(rewards, batch.prompt_index, scale=scale)
+
+
+def peer_prompt_quota(
+    indices: list[int], *, peer: int, world_size: int, scheme: str, group_size: int
+) -> dict[int, int]:
+    """{prompt index: most sequences `peer` may send for it} at a step with prompts `indices`."""
+    prompts = assign_prompts(indices, rank=peer, world_size=world_size, scheme=scheme)
+    _, share = sample_slots(rank=peer, world_size=world_size, scheme=scheme, group_size=group_size)
+    return dict.fromkeys(prompts, share) if share else {}
+
+
+def check_peer_batch(batch: RolloutBatch, quota: dict[int, int], *, train_size: int) -> str | None:
+    """Why a decoded peer batch must be rejected, or None when it is acceptable.
+
+    The wire decoder has already checked the format, ids, log-probs, lengths and generator; this
+    checks what only the trainer knows: every prompt index lies in the train split and is one the
+    peer was assigned at this step, with no more sequences than its share (so a peer cannot
+    flood a group or answer prompts it was not given).
+    """
+    idx = batch.prompt_index.tolist()
+    if idx and (min(idx) < 0 or max(idx) >= train_size):
+        bad = next(i for i in idx if not 0 <= i < train_size)
+        return f"prompt index {bad} is outside the train split (size {train_size})"
+    counts: dict[int, int] = {}
+    for i in idx:
+        counts[i] = counts.get(i, 0) + 1
+    for i, c in counts.items():
+        if i not in quota:
+            return f"prompt index {i} was not assigned to this peer at this step"
+        if c > quota[i]:
+            return f"{c} sequences for prompt {i}, more than the peer's share of {quota[i]}"
+    return None
+
+
+ADVERSARIES = ("zero-logprobs", "random-tokens", "duplicate")
+
+
+def adversarial(
+    batch: RolloutBatch, kind: str, *, vocab_size: int, generator: torch.Generator
+) -> RolloutBatch:
+    """A well-formed but dishonest version of `batch` (testing and research only).
+
+    zero-logprobs: every real token claims log-prob 0 (probability 1).
+    random-tokens: every real token is a uniform random id in [0, vocab_size); log-probs as sent.
+    duplicate: every row is a copy of the first sample's tokens and log-probs (prompt indices
+        kept, so the rows still pass the prompt check and answer the wrong prompts).
+    """
+    if kind not in ADVERSARIES:
+        raise ValueError(f"unknown adversary {kind!r}; choose one of: {', '.join(ADVERSARIES)}")
+    if batch.num_sequences == 0:
+        return batch
+    mask = batch.mask
+    ids, lp, lengths = batch.completion_ids.clone(), batch.sampler_logprobs.clone(), batch.lengths
+    if kind == "zero-logprobs":
+        lp = torch.where(mask, torch.zeros_like(lp), lp)
+    elif kind == "random-tokens":
+        noise = torch.randint(0, vocab_size, ids.shape, generator=generator)
+        ids = torch.where(mask, noise, ids)
+    else:
+        n = batch.num_sequences
+        ids, lp = ids[:1].expand(n, -1).clone(), lp[:1].expand(n, -1).clone()
+        lengths = lengths[:1].expand(n).clone()
+    return RolloutBatch(
+        prompt_index=batch.prompt_index.clone(),
+        generator=batch.generator.clone(),
+        completion_ids=ids,
+        lengths=lengths,
+        sampler_logprobs=lp,
+    )
