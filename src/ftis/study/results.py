@@ -484,9 +484,10 @@ def _invocations_line(out_dir: Path) -> str:
     if not ran:
         return ""
     total = sum(i["seconds"] for i in ran)
+    codes = sorted({i.get("code") or "unknown" for i in ran})
     return (
         f"`ftis sweep` wall time over {len(ran)} invocation(s) that ran something: "
-        f"{total / 60:.1f} min."
+        f"{total / 60:.1f} min; code: {', '.join(f'`{c}`' for c in codes)}."
     )
 
 

@@ -159,6 +159,32 @@ def run_study(
     return outcome
 
 
+def code_version() -> str | None:
+    """The git commit of the ftis source being run (with '+dirty' for uncommitted changes under
+    src/), or None outside a git checkout. Recorded so that results name the code behind them."""
+    import subprocess
+
+    src = Path(__file__).resolve().parents[2]
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(src), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no", "--", "."],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev + ("+dirty" if dirty else "")
+
+
 def _record_invocation(
     out_dir: Path, study: Study, outcome: SweepOutcome, t_start: float, only: str | None
 ) -> None:
@@ -176,6 +202,7 @@ def _record_invocation(
             "executed": len(outcome.executed),
             "skipped": len(outcome.skipped),
             "failed": sorted(outcome.failed),
+            "code": code_version(),
         }
     )
     _write_json(path, data)
