@@ -151,3 +151,41 @@ def test_one_distributed_node_equals_the_single_node_trainer(tmp_path):
         assert ra.keys() == rb.keys()
         for k in ra:
             assert ra[k] == pytest.approx(rb[k], abs=1e-6), k
+
+
+def test_a_lost_node_does_not_stop_the_others_and_resumes_alone(tmp_path):
+    """Node c dies hard at the start of step 2 (no goodbye: the launcher marks it gone). a and b
+    notice, carry on with each other, finish and write the report; the run exits 1 naming c.
+    `--resume` then continues c alone from its checkpoint: every node ends with each step's row
+    exactly once."""
+    data = tiny_run_config(steps=4)
+    data["nodes"] = _nodes(
+        ("a", {"preset": "llama-xs"}), ("b", {"preset": "llama-xs"}), ("c", {"preset": "llama-xs"})
+    )
+    data["nodes"][2]["crash_at_step"] = 2
+    data["checkpoint"] = {"every": 1}
+    data["exchange"] = {"timeout_s": 120}  # the launcher's mark, not the timeout, ends the wait
+    res, out = _run(tmp_path, data)
+    assert res.exit_code == 1, res.output
+    assert "without c" in res.output and "exit code 17" in res.output
+    rows = _rows(out)
+    steps = {n: [r["step"] for r in rows if r["node"] == n] for n in "abc"}
+    assert steps == {"a": [0, 1, 2, 3, 4], "b": [0, 1, 2, 3, 4], "c": [0, 1]}
+    # prompts per step dealt a: 2, b: 1, c: 1 (G = 4): a hears from b and c, then from b only
+    by = {(r["node"], r["step"]): r for r in rows}
+    assert by["a", 1]["exchange/sequences_received"] == 8 and by["a", 1]["exchange/peers"] == 2
+    for s in (2, 3, 4):
+        assert by["a", s]["exchange/sequences_received"] == 4
+        assert by["b", s]["exchange/sequences_received"] == 8
+        assert by["a", s]["exchange/lost_peers"] == by["b", s]["exchange/lost_peers"] == 1
+    report = (out / "report.md").read_text()
+    assert "| a |" in report and "| b |" in report
+    assert "lost peer 2 at step 2" in (out / "logs" / "a.log").read_text()
+
+    res = runner.invoke(app, ["run", "--resume", str(out), "--set", "nodes.2.crash_at_step=null"])
+    assert res.exit_code == 0, res.output
+    rows = _rows(out)
+    for n in "abc":
+        assert [r["step"] for r in rows if r["node"] == n] == [0, 1, 2, 3, 4], n
+    resumed = [r for r in rows if r["node"] == "c" and r["step"] >= 2]
+    assert all("exchange/peers" not in r or r["exchange/peers"] == 0 for r in resumed)

@@ -63,39 +63,95 @@ def run(
         Path | None, typer.Option("--out", help="Run directory (default runs/<name>).")
     ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory.")] = False,
+    resume: Annotated[
+        Path | None,
+        typer.Option(
+            "--resume",
+            help="Continue the run in this directory from every node's last checkpoint "
+            "(its config.yaml; --set applies on top).",
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
-    """Train: warm start (cached), then RL with F-TIS. Writes metrics, checkpoints and a report."""
+    """Train: warm start (cached), then RL with F-TIS. Writes metrics, checkpoints and a report.
+    Ctrl-C stops after a checkpoint; --resume RUN_DIR continues from there."""
     _setup_logging(verbose)
     from ftis.config import ConfigError, load_config
     from ftis.models.loading import ModelLoadError
     from ftis.tasks import TaskDataError
+    from ftis.train.checkpoint import CheckpointError
 
-    try:
-        cfg = load_config(config, set_ or [])
-    except ConfigError as e:
-        _fail(str(e))
-    run_dir = out or Path("runs") / cfg.name
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if not overwrite:
+    if resume is not None:
+        if config is not None or out is not None or overwrite:
             _fail(
-                f"run directory {run_dir} already exists and is not empty; pass --overwrite to "
-                "replace it or --out DIR to write elsewhere"
+                "--resume RUN_DIR takes its config from RUN_DIR/config.yaml: drop CONFIG, "
+                "--out and --overwrite (use --set to change fields)"
             )
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = resume
+        try:
+            cfg = _resumable_config(run_dir, set_ or [])
+        except (ConfigError, CheckpointError) as e:
+            _fail(str(e))
+    else:
+        try:
+            cfg = load_config(config, set_ or [])
+        except ConfigError as e:
+            _fail(str(e))
+        run_dir = out or Path("runs") / cfg.name
+        if run_dir.exists() and any(run_dir.iterdir()):
+            if not overwrite:
+                _fail(
+                    f"run directory {run_dir} already exists and is not empty; pass --overwrite "
+                    f"to replace it, --out DIR to write elsewhere, or --resume {run_dir} to "
+                    "continue it"
+                )
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(
         yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
     )
 
     from ftis.launch import run_local
     from ftis.launch_multi import LaunchError
+    from ftis.train.loop import SimulatedCrash
 
     try:
-        run_local(cfg, run_dir, console=console)
-    except (ModelLoadError, TaskDataError, ConfigError, LaunchError) as e:
+        result = run_local(cfg, run_dir, console=console, resume=resume is not None)
+    except (ModelLoadError, TaskDataError, ConfigError, CheckpointError, LaunchError) as e:
         _fail(str(e))
+    except SimulatedCrash as e:
+        _fail(f"node crashed on purpose ({e}); continue with: ftis run --resume {run_dir}", 1)
+    except KeyboardInterrupt:
+        _fail(f"interrupted; the nodes wrote checkpoints: ftis run --resume {run_dir}", 130)
     _finish(run_dir)
+    if result.failed:
+        _fail(
+            f"the run finished without {', '.join(result.failed)}: {result.describe_failures()}. "
+            f"The report covers every node's rows; continue the lost nodes with: "
+            f"ftis run --resume {run_dir}",
+            1,
+        )
+
+
+def _resumable_config(run_dir: Path, overrides: list[str]):
+    """The config of a run directory that has something to resume from."""
+    from ftis.config import load_config
+    from ftis.train.checkpoint import CheckpointError, checkpoint_step
+
+    if not (run_dir / "config.yaml").is_file():
+        raise CheckpointError(
+            f"{run_dir} is not a run directory (no config.yaml); give a directory written by "
+            "ftis run"
+        )
+    cfg = load_config(run_dir / "config.yaml", overrides)
+    steps = {n.name: checkpoint_step(run_dir / "nodes" / n.name) for n in cfg.nodes}
+    if all(s is None for s in steps.values()):
+        raise CheckpointError(
+            f"{run_dir} has no checkpoints (nodes/<name>/latest) to resume from: the run "
+            "stopped before its first one. Start it again with --overwrite, or set "
+            "checkpoint.every to save more often"
+        )
+    return cfg
 
 
 def _finish(run_dir: Path) -> None:

@@ -80,6 +80,24 @@ class NodeConfig(_Strict):
     )
     optim: OptimConfig = Field(default_factory=OptimConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
+    adversary: Literal["zero-logprobs", "random-tokens", "duplicate"] | None = Field(
+        None,
+        description=(
+            "Testing/research only: corrupt the batch this node sends to its peers (it still "
+            "trains on its honest samples). 'zero-logprobs' claims log-prob 0 for every token, "
+            "'random-tokens' replaces every token with a uniform random id, 'duplicate' copies "
+            "one sample into every row. See docs/RELIABILITY.md."
+        ),
+    )
+    crash_at_step: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Testing only: the node dies at the start of this RL step (a worker process exits "
+            "hard, a single-node run raises SimulatedCrash). Used by the lost-peer and resume "
+            "tests."
+        ),
+    )
 
     @field_validator("name")
     @classmethod
@@ -142,7 +160,10 @@ class ExchangeConfig(_Strict):
     timeout_s: float = Field(
         300.0,
         gt=0,
-        description="Seconds to wait for peers in a collective before giving up on them.",
+        description=(
+            "Seconds a node waits for a peer (its payload of a step, or any sign of life) before "
+            "it declares the peer lost and carries on without it."
+        ),
     )
 
 

@@ -1,5 +1,5 @@
 """Start a run's nodes. One node runs in this process; several nodes run as one process each
-under torch's launcher (ftis.launch_multi, ftis.worker)."""
+(ftis.launch_multi, ftis.worker)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ftis.config import RunConfig
 from ftis.exchange.base import LocalExchange
+from ftis.launch_multi import MultiResult
+from ftis.train.checkpoint import checkpoint_step
 from ftis.train.loop import train_node
+from ftis.train.metrics import truncate_rows
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +45,22 @@ class ProgressBar:
         self.p.update(self.rl, completed=info["step"], info=f"{reward_txt}acc {self.acc}")
 
 
-def run_local(cfg: RunConfig, run_dir: Path, *, console: Console | None = None) -> None:
+def run_local(
+    cfg: RunConfig, run_dir: Path, *, console: Console | None = None, resume: bool = False
+) -> MultiResult:
     """Run every node of `cfg` on this machine: in this process when there is one node, else
-    one process per node under torch's launcher (ftis.launch_multi, ftis.worker)."""
+    one process per node (ftis.launch_multi, ftis.worker). `resume` continues every node from
+    its newest checkpoint. Ctrl-C stops the nodes after a checkpoint, then raises
+    KeyboardInterrupt. Returns how each node ended (MultiResult: a node may have been lost while
+    the others finished)."""
     if len(cfg.nodes) != 1:
         from ftis.launch_multi import run_multi
 
-        run_multi(cfg, run_dir, console=console)
-        return
+        return run_multi(cfg, run_dir, console=console, resume=resume)
+    name = cfg.nodes[0].name
+    if resume:
+        step = checkpoint_step(run_dir / "nodes" / name)
+        truncate_rows(run_dir / "metrics.jsonl", name, after_step=step)
     columns = [
         TextColumn("{task.description}"),
         BarColumn(),
@@ -58,11 +69,15 @@ def run_local(cfg: RunConfig, run_dir: Path, *, console: Console | None = None) 
         TextColumn("{task.fields[info]}"),
     ]
     with Progress(*columns, console=console, disable=not cfg.log.progress) as p:
-        bar = ProgressBar(p, cfg.nodes[0].name)
-        train_node(
+        bar = ProgressBar(p, name)
+        res = train_node(
             cfg,
             rank=0,
             exchange_factory=lambda _node: LocalExchange(),
             run_dir=run_dir,
             progress=bar,
+            resume=resume,
         )
+    if res.interrupted:
+        raise KeyboardInterrupt  # after the checkpoint: callers see Ctrl-C as before
+    return MultiResult(exit_codes={name: 0})

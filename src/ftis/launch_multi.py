@@ -1,7 +1,13 @@
-"""Launch a multi-node run on this machine: one process per node under torch's own launcher
-(`python -m torch.distributed.run`, i.e. torchrun), gloo on CPU or NCCL when every node has a GPU.
-The parent process only watches: it draws progress from the nodes' status files and reports
-their errors."""
+"""Launch a multi-node run on this machine: one process per node (`python -m ftis.worker`) with
+torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), gloo-free: the
+nodes exchange samples through a TCP key-value store that this parent process hosts.
+
+Why not torch's launcher: torchrun tears every worker down when one fails. Here a node that dies
+is only marked as gone in the store (its peers stop waiting for it at once and carry on), and
+the run's report is written from the nodes that finished. The parent draws progress from the
+nodes' status files, forwards Ctrl-C to the nodes (each writes a checkpoint), and reports their
+errors.
+"""
 
 from __future__ import annotations
 
@@ -11,40 +17,73 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ftis.config import RunConfig
+from ftis.exchange.store import HOSTED_ENV, host_store, mark_left
+
+INTERRUPTED = 130
 
 
 class LaunchError(RuntimeError):
-    """A node process failed; the message carries the nodes' own error messages."""
+    """No node finished; the message carries the nodes' own error messages."""
 
 
-def torchrun_command(cfg: RunConfig, run_dir: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nnodes=1",
-        f"--nproc-per-node={len(cfg.nodes)}",
-        "-m",
-        "ftis.worker",
-        str(run_dir / "config.yaml"),
-        "--out",
-        str(run_dir),
-    ]
+@dataclass
+class MultiResult:
+    """How each node's process ended: name -> exit code (0 finished, 130 stopped by Ctrl-C with a
+    checkpoint, 2 user error, other: crash), and the nodes' error messages."""
+
+    exit_codes: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> list[str]:
+        return [n for n, c in self.exit_codes.items() if c not in (0, INTERRUPTED)]
+
+    @property
+    def interrupted(self) -> bool:
+        return any(c == INTERRUPTED for c in self.exit_codes.values())
+
+    def describe_failures(self) -> str:
+        return "; ".join(
+            f"{n} (exit code {self.exit_codes[n]}): {self.errors.get(n) or 'see its log'}"
+            for n in self.failed
+        )
 
 
-def run_multi(cfg: RunConfig, run_dir: Path, *, console: Console | None = None) -> None:
+def worker_command(run_dir: Path, *, resume: bool = False) -> list[str]:
+    cmd = [sys.executable, "-m", "ftis.worker", str(run_dir / "config.yaml"), "--out", str(run_dir)]
+    return cmd + (["--resume"] if resume else [])
+
+
+def run_multi(
+    cfg: RunConfig, run_dir: Path, *, console: Console | None = None, resume: bool = False
+) -> MultiResult:
+    """Run every node to the end. Raises LaunchError when no node finished (every node failed,
+    e.g. a config or model error), KeyboardInterrupt after forwarding Ctrl-C to the nodes."""
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(cfg.nodes))))
-    env["PYTHONUNBUFFERED"] = "1"
+    for old in logs.glob("rank*.error"):
+        old.unlink()
+    world = len(cfg.nodes)
+    server, store, port = host_store()
+    base_env = dict(os.environ)
+    base_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+    base_env.update(
+        PYTHONUNBUFFERED="1",
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        **{HOSTED_ENV: "1"},
+    )
+    for k in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID"):
+        base_env.pop(k, None)
     columns = [
         TextColumn("{task.description}"),
         BarColumn(),
@@ -52,31 +91,73 @@ def run_multi(cfg: RunConfig, run_dir: Path, *, console: Console | None = None) 
         TimeElapsedColumn(),
         TextColumn("{task.fields[info]}"),
     ]
-    with (
-        (logs / "nodes.log").open("w") as log_file,
-        Progress(*columns, console=console, disable=not cfg.log.progress) as progress,
-    ):
-        proc = subprocess.Popen(
-            torchrun_command(cfg, run_dir),
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-        bars: dict[tuple[str, str], int] = {}
-        try:
-            while proc.poll() is None:
-                _update_bars(progress, bars, cfg, run_dir)
-                time.sleep(0.5)
-            _update_bars(progress, bars, cfg, run_dir)
-        except KeyboardInterrupt:
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(timeout=60)
-            raise
-    if proc.returncode != 0:
-        errors = [p.read_text().strip() for p in sorted(logs.glob("rank*.error"))]
-        detail = "\n".join(dict.fromkeys(errors)) or f"see {logs / 'nodes.log'}"
-        raise LaunchError(f"a node failed (exit code {proc.returncode}): {detail}")
+    result = MultiResult()
+    procs: list[subprocess.Popen] = []
+    log_files = []
+    try:
+        with Progress(*columns, console=console, disable=not cfg.log.progress) as progress:
+            for rank, node in enumerate(cfg.nodes):
+                f = (logs / f"{node.name}.log").open("a")
+                log_files.append(f)
+                procs.append(
+                    subprocess.Popen(
+                        worker_command(run_dir, resume=resume),
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        env={**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                        start_new_session=True,  # Ctrl-C reaches the parent only: it forwards
+                    )
+                )
+            bars: dict[tuple[str, str], int] = {}
+            try:
+                _watch(procs, cfg, store, result, progress, bars, run_dir)
+            except KeyboardInterrupt:
+                for p in procs:
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGINT)
+                for p in procs:
+                    try:
+                        p.wait(timeout=120)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                raise
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in log_files:
+            f.close()
+        del store, server
+    for rank, node in enumerate(cfg.nodes):
+        err = logs / f"rank{rank}.error"
+        if err.exists():
+            result.errors[node.name] = err.read_text().strip()
+    if result.interrupted:
+        raise KeyboardInterrupt  # a node was stopped by a signal, after its checkpoint
+    if not any(c == 0 for c in result.exit_codes.values()):
+        detail = "\n".join(dict.fromkeys(result.errors.values())) or (f"see the logs in {logs}")
+        codes = sorted(set(result.exit_codes.values()))
+        raise LaunchError(f"every node failed (exit codes {codes}): {detail}")
+    return result
+
+
+def _watch(procs, cfg, store, result, progress, bars, run_dir) -> None:
+    """Until every node has exited: draw progress; mark a node that exited without finishing as
+    gone in the store, so that its peers stop waiting for it at once."""
+    while len(result.exit_codes) < len(procs):
+        for rank, (p, node) in enumerate(zip(procs, cfg.nodes)):
+            if node.name in result.exit_codes or p.poll() is None:
+                continue
+            result.exit_codes[node.name] = p.returncode
+            if p.returncode != 0:
+                try:
+                    mark_left(store, rank, f"its process exited with code {p.returncode}")
+                except RuntimeError:
+                    pass
+        _update_bars(progress, bars, cfg, run_dir)
+        time.sleep(0.2)
+    _update_bars(progress, bars, cfg, run_dir)
 
 
 def _update_bars(progress: Progress, bars: dict, cfg: RunConfig, run_dir: Path) -> None:

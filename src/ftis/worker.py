@@ -1,12 +1,16 @@
-"""One node of a collaborative run: the process torch's launcher starts once per node.
+"""One node of a collaborative run: the process `ftis run` (or torchrun) starts once per node.
 
-    torchrun --nproc-per-node 2 -m ftis.worker CONFIG --out RUN_DIR         # one machine
+    ftis run CONFIG                       # one machine: ftis starts the nodes and hosts the store
     torchrun --nnodes 2 --node-rank R --nproc-per-node 1 \\
              --master-addr HOST --master-port 29500 -m ftis.worker CONFIG --out RUN_DIR
 
 RANK picks the node (`nodes[RANK]` in the config). Before any warm start, the group checks that
 every peer has the same tokenizer and the same shared settings (task, train, sharing), since
-token ids and prompt indices are exchanged as they are.
+token ids and prompt indices are exchanged as they are. Samples travel through a key-value store
+(`ftis.exchange.store`), not a collective, so a node that dies only costs its peers its samples.
+
+Exit codes: 0 finished, 130 stopped by SIGINT/SIGTERM after a checkpoint, 2 a user error (the
+message is in RUN_DIR/logs/rank<R>.error), anything else a crash.
 """
 
 from __future__ import annotations
@@ -23,23 +27,35 @@ from pathlib import Path
 import torch
 
 from ftis.config import ConfigError, RunConfig, load_config
-from ftis.exchange.distributed import (
-    DistributedExchange,
-    gather_strings,
-    init_process_group_from_env,
+from ftis.exchange.store import (
+    Membership,
+    PeerGroupError,
+    StoreExchange,
+    connect_store,
 )
 from ftis.models.loading import ModelLoadError, load_tokenizer, tokenizer_fingerprint
 from ftis.tasks import TaskDataError
-from ftis.train.loop import train_node
+from ftis.train.checkpoint import CheckpointError, checkpoint_step
+from ftis.train.loop import StopFlag, train_node
+from ftis.train.metrics import truncate_rows
 
 log = logging.getLogger("ftis.worker")
+
+CRASH_EXIT_CODE = 17  # `crash_at_step`: the process exits hard, as if killed
 
 
 class GroupMismatchError(ValueError):
     """Peers disagree on something they must share (tokenizer, task, schedule)."""
 
 
-USER_ERRORS = (ConfigError, ModelLoadError, TaskDataError, GroupMismatchError)
+USER_ERRORS = (
+    ConfigError,
+    ModelLoadError,
+    TaskDataError,
+    GroupMismatchError,
+    PeerGroupError,
+    CheckpointError,
+)
 
 
 def shared_settings_digest(cfg: RunConfig) -> str:
@@ -50,14 +66,23 @@ def shared_settings_digest(cfg: RunConfig) -> str:
     return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def check_group(cfg: RunConfig, rank: int, fingerprint: str) -> None:
-    """Raise GroupMismatchError, on every rank alike, if peers' tokenizers or settings differ."""
-    mine = f"{fingerprint}:{shared_settings_digest(cfg)}"
-    everyone = gather_strings(mine)
+def check_group(
+    cfg: RunConfig, membership: Membership, fingerprint: str, first_step: int = 1
+) -> list[int]:
+    """Form the group: raise GroupMismatchError, on every rank alike, if peers' tokenizers or
+    settings differ; return every rank's first RL step (they differ after some resumes)."""
+    mine = f"{fingerprint}:{shared_settings_digest(cfg)}:{first_step}"
+    everyone = membership.gather(mine, timeout_s=max(cfg.exchange.timeout_s, 120.0))
     names = [n.name for n in cfg.nodes]
-    toks = [s.split(":")[0] for s in everyone]
+    parts = [s.split(":") for s in everyone]
+    if any(len(p) != 3 or not p[2].isdigit() for p in parts):
+        raise GroupMismatchError(
+            "a peer runs a different version of ftis (unreadable handshake); install the same "
+            "version on every machine"
+        )
+    toks = [p[0] for p in parts]
     if len(set(toks)) > 1:
-        groups = {}
+        groups: dict[str, list[str]] = {}
         for name, t in zip(names, toks):
             groups.setdefault(t, []).append(name)
         detail = "; ".join(f"{', '.join(v)} use tokenizer {k}" for k, v in groups.items())
@@ -65,12 +90,13 @@ def check_group(cfg: RunConfig, rank: int, fingerprint: str) -> None:
             f"peers must share one tokenizer (token ids are exchanged as they are), but {detail}. "
             "Give every node a model with the same tokenizer."
         )
-    settings = [s.split(":")[1] for s in everyone]
+    settings = [p[1] for p in parts]
     if len(set(settings)) > 1:
         raise GroupMismatchError(
             "peers were started with different task/train/sharing settings (digests "
             f"{dict(zip(names, settings))}); start every node from the same config file"
         )
+    return [int(p[2]) for p in parts]
 
 
 class StatusFile:
@@ -97,11 +123,20 @@ class StatusFile:
         os.replace(tmp, self.path)
 
 
+def _hard_exit(step: int) -> None:
+    log.error("crash_at_step=%d: exiting hard (testing)", step)
+    logging.shutdown()
+    os._exit(CRASH_EXIT_CODE)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ftis.worker", description=__doc__.split("\n")[0])
     parser.add_argument("config", type=Path)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument(
+        "--resume", action="store_true", help="Continue from this node's newest checkpoint."
+    )
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -116,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir: Path = args.out
     run_dir.mkdir(parents=True, exist_ok=True)
     error_file = run_dir / "logs" / f"rank{rank}.error"
+    membership: Membership | None = None
     try:
         cfg = load_config(args.config, args.overrides)
         if world != len(cfg.nodes):
@@ -125,36 +161,57 @@ def main(argv: list[str] | None = None) -> int:
             )
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        init_process_group_from_env(cfg.exchange.timeout_s)
         node_cfg = cfg.nodes[rank]
-        check_group(cfg, rank, tokenizer_fingerprint(load_tokenizer(node_cfg.model)))
+        done = 0
+        if args.resume:
+            # Before the group forms, so that no peer is appending to metrics.jsonl yet.
+            step = checkpoint_step(run_dir / "nodes" / node_cfg.name)
+            truncate_rows(run_dir / "metrics.jsonl", node_cfg.name, after_step=step)
+            done = step or 0
+        store, rank, world = connect_store(cfg.exchange.timeout_s)
+        membership = Membership(store, rank, world, timeout_s=cfg.exchange.timeout_s)
+        first_steps = check_group(
+            cfg, membership, tokenizer_fingerprint(load_tokenizer(node_cfg.model)), done + 1
+        )
+        stop = StopFlag()
 
         def make_exchange(node):
-            return DistributedExchange(
-                rank,
-                world,
+            return StoreExchange(
+                membership,
+                first_steps=first_steps,
                 vocab_size=int(node.model.get_input_embeddings().num_embeddings),
                 max_tokens=cfg.train.max_new_tokens,
                 pad_id=node.tokenizer.pad_token_id,
                 logprob_format=cfg.exchange.logprob_format,
-                timeout_s=cfg.exchange.timeout_s,
+                should_stop=stop,
             )
 
-        train_node(
+        result = train_node(
             cfg,
             rank=rank,
             exchange_factory=make_exchange,
             run_dir=run_dir,
             progress=StatusFile(run_dir, node_cfg.name),
+            resume=args.resume,
+            stop=stop,
+            crash=_hard_exit,
         )
     except USER_ERRORS as e:
         error_file.parent.mkdir(parents=True, exist_ok=True)
         error_file.write_text(str(e))
         log.error("%s", e)
+        if membership is not None:
+            membership.leave(f"error: {e}"[:500])
         return 2
-    finally:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    except BaseException as e:
+        if membership is not None:
+            membership.leave(f"crashed: {type(e).__name__}: {e}"[:500])
+        raise
+    if result.interrupted:
+        membership.leave(f"stopped after step {result.last_step}")
+        log.warning("stopped after step %d; checkpoint written", result.last_step)
+        return 130
+    membership.leave(f"finished step {result.last_step}")
     return 0
 
 

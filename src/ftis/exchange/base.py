@@ -13,6 +13,11 @@ from typing import Protocol
 from ftis.rollout.types import RolloutBatch
 
 
+class ExchangeAborted(RuntimeError):
+    """The exchange of a step was abandoned (this node was asked to stop while waiting); the
+    caller drops the step and stops, its state is that of the previous step."""
+
+
 @dataclass
 class ExchangeStats:
     """What the last `all_gather` cost: payload bytes sent and received, and seconds spent."""
@@ -31,7 +36,8 @@ class Exchange(Protocol):
 
     def all_gather(self, batch: RolloutBatch) -> list[RolloutBatch | None]:
         """Every node's batch, indexed by rank (this node's own at `rank`); None for a peer
-        whose payload was rejected or that did not answer."""
+        whose payload was rejected or that did not answer (a lost peer). May raise
+        ExchangeAborted when the node is asked to stop while it waits."""
         ...
 
     def close(self) -> None: ...

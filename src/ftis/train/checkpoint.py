@@ -24,11 +24,31 @@ CHECKPOINT_VERSION = 1
 
 
 def save_checkpoint(
-    node: Node, node_dir: Path, step: int, *, keep: int, extra_rng: dict | None = None
+    node: Node,
+    node_dir: Path,
+    step: int,
+    *,
+    keep: int,
+    extra_rng: dict | None = None,
+    counters: dict[str, float] | None = None,
 ) -> Path:
+    """Write step-NNNNNN/ atomically; on any failure the temporary directory is removed and the
+    previous checkpoints and `latest` are untouched."""
     node_dir.mkdir(parents=True, exist_ok=True)
-    final = node_dir / f"step-{step:06d}"
     tmp = Path(tempfile.mkdtemp(dir=node_dir, prefix=".tmp-"))
+    try:
+        final = _write(node, node_dir, tmp, step, extra_rng, counters)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _prune(node_dir, keep)
+    return final
+
+
+def _write(
+    node: Node, node_dir: Path, tmp: Path, step: int, extra_rng: dict | None, counters: dict | None
+) -> Path:
+    final = node_dir / f"step-{step:06d}"
     save_model(node.model, tmp / "model")
     node.tokenizer.save_pretrained(tmp / "model")
     state = {
@@ -40,6 +60,7 @@ def save_checkpoint(
             "torch": torch.get_rng_state(),
             **(extra_rng or {}),
         },
+        "counters": dict(counters or {}),
     }
     torch.save(state, tmp / "trainer_state.pt")
     meta = {
@@ -56,7 +77,6 @@ def save_checkpoint(
     latest_tmp = node_dir / ".latest.tmp"
     latest_tmp.write_text(final.name + "\n")
     os.replace(latest_tmp, node_dir / "latest")
-    _prune(node_dir, keep)
     return final
 
 
@@ -67,8 +87,54 @@ def _prune(node_dir: Path, keep: int) -> None:
 
 
 def latest_checkpoint(node_dir: Path) -> Path | None:
+    """The checkpoint `latest` names; if that one is missing or incomplete, the newest complete
+    step-* directory; None when there is none."""
     marker = node_dir / "latest"
-    if not marker.exists():
+    if marker.exists():
+        path = node_dir / marker.read_text().strip()
+        if (path / "meta.json").exists() and (path / "trainer_state.pt").exists():
+            return path
+    done = sorted(
+        p
+        for p in node_dir.glob("step-*")
+        if (p / "meta.json").exists() and (p / "trainer_state.pt").exists()
+    )
+    return done[-1] if done else None
+
+
+def load_checkpoint(node: Node, ckpt: Path) -> dict:
+    """Restore weights (full model or LoRA adapters) and optimizer state from `ckpt` into
+    `node`, and the python and torch RNGs; returns the trainer state (step, rng, counters)."""
+    state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+    if state.get("version") != CHECKPOINT_VERSION:
+        raise CheckpointError(
+            f"{ckpt} has checkpoint version {state.get('version')}, this ftis reads "
+            f"{CHECKPOINT_VERSION}"
+        )
+    model_dir = ckpt / "model"
+    if hasattr(node.model, "peft_config"):
+        from peft import set_peft_model_state_dict
+        from peft.utils import load_peft_weights
+
+        set_peft_model_state_dict(node.model, load_peft_weights(str(model_dir)))
+    else:
+        from transformers import AutoModelForCausalLM
+
+        saved = AutoModelForCausalLM.from_pretrained(model_dir, dtype=node.model.dtype)
+        node.model.load_state_dict(saved.state_dict())
+    node.optimizer.load_state_dict(state["optimizer"])
+    random.setstate(state["rng"]["python"])
+    torch.set_rng_state(state["rng"]["torch"])
+    return state
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used for a resume; the message says which and why."""
+
+
+def checkpoint_step(node_dir: Path) -> int | None:
+    """Step of the newest complete checkpoint in `node_dir`, or None."""
+    ckpt = latest_checkpoint(node_dir)
+    if ckpt is None:
         return None
-    path = node_dir / marker.read_text().strip()
-    return path if (path / "meta.json").exists() else None
+    return int(json.loads((ckpt / "meta.json").read_text())["step"])

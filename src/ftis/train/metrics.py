@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import math
@@ -89,3 +90,33 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 log.warning("skipping a malformed line in %s", path)
     return rows
+
+
+def truncate_rows(path: Path, node: str, *, after_step: int | None) -> int:
+    """Drop `node`'s rows with step > after_step (all of them when after_step is None), so a
+    resumed node neither loses nor repeats rows; returns how many were dropped.
+
+    Under an exclusive lock, rewritten to a temporary file and renamed into place. Call it before
+    any process opens the file for appending (the launcher and the workers do so before the
+    group forms)."""
+    if not path.exists():
+        return 0
+    lock = path.with_name(path.name + ".lock")
+    with lock.open("w") as lf:
+        fcntl.flock(lf, fcntl.LOCK_EX)
+        kept, dropped = [], 0
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                dropped += 1  # a torn line from the crash
+                continue
+            if row.get("node") == node and (after_step is None or row.get("step", 0) > after_step):
+                dropped += 1
+                continue
+            kept.append(line)
+        if dropped:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+            os.replace(tmp, path)
+    return dropped

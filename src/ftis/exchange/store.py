@@ -1,0 +1,394 @@
+"""The store transport: rollout payloads through a key-value store, tolerant of lost peers.
+
+Why not a collective: a gloo/NCCL all_gather cannot skip a rank, so one dead or stalled node
+fails the collective on every other node and leaves the process group unusable. Here every node
+`set`s its payload of step t under its own key and reads its peers' keys, so a missing peer is
+only a missing key: after `timeout_s` (or at once, when the peer is known to have exited) the
+node logs it, drops the peer for good and carries on with the others, or alone.
+
+The store is a `torch.distributed.TCPStore` (plain TCP, no collectives): hosted by `ftis run`'s
+parent process on one machine (so it outlives any node), or by torchrun's agent on the master
+machine (`TORCHELASTIC_USE_AGENT_STORE`), or by rank 0 when the variables come from elsewhere.
+Keys, under the prefix `ftis/` (plus torchrun's run id and restart count):
+
+    hello/<rank>       what the node must agree on with its peers, and its first RL step
+    hb/<rank>          heartbeat counter, bumped every `heartbeat_s` by a background thread
+    ready/<rank>       set once the node's model is built (after any warm start)
+    x/<step>/<rank>    the node's payload of that step (deleted two steps later)
+    left/<rank>        set when the node exits (by itself, or by the launcher when it dies)
+
+A peer is lost when (a) `left/<peer>` exists, (b) its heartbeat has not moved for `timeout_s`
+(the process or its machine is gone), or (c) it is ready but its payload of the current step
+has not arrived within `timeout_s` (it stalled). Payloads are bytes validated by
+`ftis.exchange.wire`, never pickles.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ftis.exchange.base import ExchangeAborted, ExchangeStats
+from ftis.exchange.wire import (
+    DEFAULT_LOGPROB_FORMAT,
+    PayloadError,
+    decode_rollouts,
+    describe_logprob_format,
+    encode_rollouts,
+    max_payload_size,
+)
+from ftis.rollout.types import RolloutBatch
+
+log = logging.getLogger(__name__)
+
+_ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+HOSTED_ENV = "FTIS_STORE_HOSTED"  # set by `ftis run`: the parent process hosts the store
+_POLL_MIN_S, _POLL_MAX_S = 0.002, 0.05
+
+
+class PeerGroupError(RuntimeError):
+    """The group could not form (a peer exited or never showed up)."""
+
+
+def _prefix() -> str:
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id:
+        return f"ftis/{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return "ftis"
+
+
+def host_store(host: str = "127.0.0.1") -> tuple[dist.Store, dist.Store, int]:
+    """Start a store server in this process: (server, prefixed view, port). `ftis run` hosts
+    the store of a one-machine run, so that it outlives every node."""
+    server = dist.TCPStore(
+        host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    return server, dist.PrefixStore(_prefix(), server), server.port
+
+
+def mark_left(store: dist.Store, rank: int, reason: str) -> None:
+    """Tell the peers that `rank` is gone (the launcher calls this when a node process dies)."""
+    store.set(f"left/{rank}", reason)
+
+
+def connect_store(timeout_s: float) -> tuple[dist.Store, int, int]:
+    """(prefixed store, rank, world_size) from torchrun's variables: RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT. A client of the launcher's or torchrun agent's store when there is
+    one, else rank 0 hosts it."""
+    missing = [k for k in _ENV_VARS if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"cannot join the peers: {', '.join(missing)} not set. Start the nodes with "
+            "`ftis run` or torchrun, which set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT."
+        )
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if not 0 <= rank < world_size:
+        raise RuntimeError(f"RANK={rank} must lie in [0, WORLD_SIZE={world_size})")
+    hosted = (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        or os.environ.get(HOSTED_ENV) == "1"
+    )
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size=None if hosted else world_size,
+        is_master=not hosted and rank == 0,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=max(1.0, min(timeout_s, 300.0))),
+    )
+    return dist.PrefixStore(_prefix(), store), rank, world_size
+
+
+class Membership:
+    """This node's presence in the group: a heartbeat thread, the group-forming handshake,
+    liveness of peers, and the `left` mark on exit."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, *, timeout_s: float) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.heartbeat_s = max(0.05, min(2.0, timeout_s / 10))
+        self.lost: dict[int, str] = {}
+        self._beats: dict[int, tuple[int, float]] = {}
+        self._stop = threading.Event()
+        self._broken = False
+        store.add(f"hb/{rank}", 1)
+        self._thread = threading.Thread(target=self._beat, name="ftis-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                self.store.add(f"hb/{self.rank}", 1)
+            except RuntimeError:  # the store is gone; the main thread finds out on its own
+                return
+
+    def gather(self, value: str, *, timeout_s: float | None = None) -> list[str]:
+        """Every rank's `value` (the group-forming handshake). Raises PeerGroupError when a
+        peer exits or does not show up within the timeout: a group forms whole or not at all."""
+        self.store.set(f"hello/{self.rank}", value)
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        out: dict[int, str] = {self.rank: value}
+        pause = _POLL_MIN_S
+        while len(out) < self.world_size:
+            for p in range(self.world_size):
+                if p in out:
+                    continue
+                if self.store.check([f"hello/{p}"]):
+                    out[p] = self.store.get(f"hello/{p}").decode("utf-8", errors="replace")
+                elif self.store.check([f"left/{p}"]):
+                    raise PeerGroupError(
+                        f"rank {p} exited before the group formed "
+                        f"({self.store.get(f'left/{p}').decode(errors='replace')})"
+                    )
+            if len(out) < self.world_size:
+                if time.monotonic() > deadline:
+                    absent = sorted(set(range(self.world_size)) - set(out))
+                    raise PeerGroupError(
+                        f"ranks {absent} did not join within {timeout_s or self.timeout_s:g} s "
+                        "(exchange.timeout_s); start every node, from the same config"
+                    )
+                time.sleep(pause)
+                pause = min(2 * pause, _POLL_MAX_S)
+        return [out[p] for p in range(self.world_size)]
+
+    def why_gone(self, peer: int, *, waiting_since: float | None) -> str | None:
+        """Why `peer` counts as lost now, or None while it may still answer."""
+        if peer in self.lost:
+            return self.lost[peer]
+        now = time.monotonic()
+        if self.store.check([f"left/{peer}"]):
+            return f"it left ({self.store.get(f'left/{peer}').decode(errors='replace')})"
+        beat = int(self.store.add(f"hb/{peer}", 0))
+        last = self._beats.get(peer)
+        if last is None or last[0] != beat:
+            self._beats[peer] = (beat, now)
+        elif now - last[1] > self.timeout_s:
+            return f"no heartbeat for {now - last[1]:.0f} s"
+        if waiting_since is not None and now - waiting_since > self.timeout_s:
+            return f"no payload within {self.timeout_s:g} s (exchange.timeout_s)"
+        return None
+
+    def drop(self, peer: int, reason: str, *, step: int) -> None:
+        if peer not in self.lost:
+            self.lost[peer] = reason
+            live = self.world_size - 1 - len(self.lost)
+            log.warning(
+                "rank %d: lost peer %d at step %d: %s; carrying on with %d peer(s)",
+                self.rank,
+                peer,
+                step,
+                reason,
+                live,
+            )
+
+    def broken(self, err: Exception, *, step: int) -> None:
+        """The store itself is unreachable: every peer is lost, the node carries on alone."""
+        if not self._broken:
+            self._broken = True
+            log.error(
+                "rank %d: the store is unreachable at step %d (%s); training alone",
+                self.rank,
+                step,
+                err,
+            )
+        for p in range(self.world_size):
+            if p != self.rank:
+                self.lost.setdefault(p, "the store is unreachable")
+
+    @property
+    def is_broken(self) -> bool:
+        return self._broken
+
+    def leave(self, reason: str) -> None:
+        """Mark this node as gone (idempotent) and stop the heartbeat."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        try:
+            mark_left(self.store, self.rank, reason)
+        except RuntimeError:
+            pass
+
+
+class StoreExchange:
+    """`Exchange` through a store: tolerant of peers that die, stall or leave.
+
+    Args:
+        membership: this node's `Membership` (heartbeat, lost peers).
+        first_steps: the first RL step of every rank (they differ after a resume in which one
+            node's checkpoint is behind the others': it catches up alone until the others'
+            first step). This node's rounds are numbered from its own first step.
+        vocab_size, max_tokens, pad_id, logprob_format, max_sequences, compress: as in
+            `DistributedExchange`.
+        should_stop: polled while waiting; when it returns True before every payload of the
+            step has arrived, `all_gather` raises ExchangeAborted (Ctrl-C during a wait).
+
+    `all_gather` returns None for a peer that is lost, was not part of this step, or whose
+    payload failed validation; `last_stats.rejected` counts only the latter.
+    """
+
+    def __init__(
+        self,
+        membership: Membership,
+        *,
+        first_steps: list[int],
+        vocab_size: int,
+        max_tokens: int,
+        pad_id: int = 0,
+        logprob_format: str = DEFAULT_LOGPROB_FORMAT,
+        max_sequences: int = 8192,
+        compress: bool = False,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> None:
+        self.m = membership
+        self.store = membership.store
+        self.rank = membership.rank
+        self.world_size = membership.world_size
+        if len(first_steps) != self.world_size:
+            raise ValueError(
+                f"first_steps has {len(first_steps)} entries, world is {self.world_size}"
+            )
+        self.first_steps = first_steps
+        self.step = first_steps[self.rank]
+        self.vocab_size = vocab_size
+        self.max_tokens = max_tokens
+        self.max_sequences = max_sequences
+        self.pad_id = pad_id
+        self.logprob_format = logprob_format
+        self.compress = compress
+        self.should_stop = should_stop or (lambda: False)
+        self.last_stats = ExchangeStats()
+        self.corrupt_for_test: Callable[[bytes], bytes] | None = None
+        self._max_payload = max_payload_size(
+            max_sequences=max_sequences, max_tokens=max_tokens, vocab_size=vocab_size
+        )
+        self._ready_seen: dict[int, float] = {}
+        try:
+            self.store.set(f"ready/{self.rank}", "1")
+        except RuntimeError as e:
+            self.m.broken(e, step=self.step)
+        log.info(
+            "rank %d: exchange ready (store), log-probs as %s",
+            self.rank,
+            describe_logprob_format(logprob_format, vocab_size),
+        )
+
+    @property
+    def live_peers(self) -> list[int]:
+        return [p for p in range(self.world_size) if p != self.rank and p not in self.m.lost]
+
+    def all_gather(self, batch: RolloutBatch) -> list[RolloutBatch | None]:
+        step = self.step
+        if self.should_stop():
+            raise ExchangeAborted(f"stop requested before the exchange of step {step}")
+        t0 = time.perf_counter()
+        try:
+            payload = encode_rollouts(
+                batch,
+                logprob_format=self.logprob_format,
+                vocab_size=self.vocab_size,
+                compress=self.compress,
+            )
+        except ValueError as e:
+            log.error(
+                "rank %d: own batch cannot be encoded, peers will reject it: %s", self.rank, e
+            )
+            payload = b""
+        if self.corrupt_for_test is not None:
+            payload = self.corrupt_for_test(payload)
+        t1 = time.perf_counter()
+        out: list[RolloutBatch | None] = [None] * self.world_size
+        out[self.rank] = batch
+        raw: dict[int, bytes] = {}
+        if not self.m.is_broken:
+            try:
+                raw = self._trade(payload, step)
+            except RuntimeError as e:  # the store went away mid-step
+                self.m.broken(e, step=step)
+        t2 = time.perf_counter()
+        rejected = received = 0
+        for peer, data in raw.items():
+            received += len(data)
+            try:
+                if len(data) > self._max_payload:
+                    raise PayloadError(
+                        f"{len(data)} bytes exceeds the limit of {self._max_payload}"
+                    )
+                out[peer] = decode_rollouts(
+                    data,
+                    vocab_size=self.vocab_size,
+                    max_tokens=self.max_tokens,
+                    max_sequences=self.max_sequences,
+                    expected_generator=peer,
+                    pad_id=self.pad_id,
+                )
+            except PayloadError as e:
+                log.warning(
+                    "rank %d: rejected rank %d's payload of step %d (%d bytes): %s",
+                    self.rank,
+                    peer,
+                    step,
+                    len(data),
+                    e,
+                )
+                rejected += 1
+        t3 = time.perf_counter()
+        self.step += 1
+        self.last_stats = ExchangeStats(
+            bytes_sent=len(payload),
+            bytes_received=received,
+            seconds=t3 - t0,
+            rejected=rejected,
+            extra={
+                "encode_seconds": t1 - t0,
+                "comm_seconds": t2 - t1,
+                "decode_seconds": t3 - t2,
+                "peers": float(len(raw)),
+                "lost_peers": float(len(self.m.lost)),
+            },
+        )
+        return out
+
+    def _trade(self, payload: bytes, step: int) -> dict[int, bytes]:
+        """Post this node's payload of `step`, then collect the payload of every live peer that
+        takes part in this step, dropping the ones that are gone."""
+        store = self.store
+        store.set(f"x/{step}/{self.rank}", payload)
+        if step - 2 >= self.first_steps[self.rank]:
+            # Every live peer has read it: it posted step - 1 after reading our step - 2.
+            store.delete_key(f"x/{step - 2}/{self.rank}")
+        pending = {p for p in self.live_peers if self.first_steps[p] <= step}
+        got: dict[int, bytes] = {}
+        waiting_since = time.monotonic()
+        pause = _POLL_MIN_S
+        while pending:
+            for p in sorted(pending):
+                key = f"x/{step}/{p}"
+                if store.check([key]):
+                    got[p] = store.get(key)
+                    pending.discard(p)
+                    continue
+                if p not in self._ready_seen and store.check([f"ready/{p}"]):
+                    self._ready_seen[p] = time.monotonic()
+                since = max(waiting_since, self._ready_seen[p]) if p in self._ready_seen else None
+                reason = self.m.why_gone(p, waiting_since=since)
+                if reason is not None:
+                    self.m.drop(p, reason, step=step)
+                    pending.discard(p)
+            if pending:
+                if self.should_stop():
+                    raise ExchangeAborted(f"stop requested while waiting for step {step}")
+                time.sleep(pause)
+                pause = min(2 * pause, _POLL_MAX_S)
+        return got
+
+    def close(self) -> None:
+        """Nothing to release: the membership (and the `left` mark) belongs to its creator."""

@@ -1,0 +1,186 @@
+"""The store transport: payloads through a TCPStore on loopback, with peers that die, stall or
+lie. Ranks run as threads of this process (each with its own client connection), so a lost
+peer costs a fraction of a second instead of a process start."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ftis.exchange.store import Membership, PeerGroupError, StoreExchange, host_store, mark_left
+from tests.exchange.test_distributed import MAX_TOKENS, VOCAB, flip_a_byte, peer_batch
+
+
+@pytest.fixture
+def store(monkeypatch):
+    server, prefixed, port = host_store()
+    members: list[Membership] = []
+    init = Membership.__init__
+
+    def tracked(self, *a, **k):
+        init(self, *a, **k)
+        members.append(self)
+
+    monkeypatch.setattr(Membership, "__init__", tracked)
+
+    def client(prefix="ftis"):
+        c = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+        return dist.PrefixStore(prefix, c)
+
+    yield prefixed, client
+    for m in members:  # stop the heartbeats before the server goes
+        m._stop.set()
+        m._thread.join()
+    del server
+
+
+def _group(client, world, timeout_s=0.6, first_steps=None):
+    ms = [Membership(client(), r, world, timeout_s=timeout_s) for r in range(world)]
+    exs = [
+        StoreExchange(
+            m,
+            first_steps=first_steps or [0] * world,
+            vocab_size=VOCAB,
+            max_tokens=MAX_TOKENS,
+            pad_id=3,
+        )
+        for m in ms
+    ]
+    return ms, exs
+
+
+def _round(exs, step, skip=()):
+    """Every rank not in `skip` exchanges its batch of `step` concurrently."""
+    out = {}
+
+    def go(r):
+        out[r] = exs[r].all_gather(peer_batch(r, step))
+
+    threads = [threading.Thread(target=go, args=(r,)) for r in range(len(exs)) if r not in skip]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "an exchange hung"
+    return out
+
+
+def test_payloads_arrive_intact(store):
+    _, client = store
+    _, exs = _group(client, 3)
+    for step in (0, 1, 2, 3):
+        got = _round(exs, step)
+        for r in range(3):
+            for p in range(3):
+                want, b = peer_batch(p, step), got[r][p]
+                assert torch.equal(b.prompt_index, want.prompt_index)
+                assert torch.equal(b.sampler_logprobs, want.sampler_logprobs)
+            assert exs[r].last_stats.rejected == 0 and exs[r].last_stats.extra["peers"] == 2
+    # old payloads are deleted: a long run does not grow the store without bound
+    assert not exs[0].store.check(["x/0/0"]) and exs[0].store.check(["x/3/0"])
+
+
+def test_a_corrupted_payload_is_rejected_and_counted(store):
+    _, client = store
+    _, exs = _group(client, 3)
+    exs[1].corrupt_for_test = flip_a_byte
+    got = _round(exs, 0)
+    for r in (0, 2):
+        assert got[r][1] is None and exs[r].last_stats.rejected == 1
+        assert got[r][2 - r] is not None  # the honest peer's batch
+
+
+def test_a_peer_that_leaves_is_dropped_at_once(store):
+    _, client = store
+    ms, exs = _group(client, 3, timeout_s=60)
+    _round(exs, 0)
+    ms[2].leave("crashed: test")  # what the launcher writes when a process dies
+    t0 = time.monotonic()
+    got = _round(exs, 1, skip=(2,))
+    assert time.monotonic() - t0 < 5  # long before the 60 s timeout
+    for r in (0, 1):
+        assert got[r][2] is None and got[r][1 - r] is not None
+        assert 2 in ms[r].lost and "crashed: test" in ms[r].lost[2]
+        assert exs[r].last_stats.extra["lost_peers"] == 1
+    got = _round(exs, 2, skip=(2,))  # and it stays dropped, without waiting again
+    assert got[0][1] is not None and got[0][2] is None
+
+
+def test_a_silent_peer_is_dropped_after_the_timeout(store):
+    """No `left` mark (a machine that vanished): the heartbeat stops, the others give up after
+    timeout_s and carry on."""
+    _, client = store
+    ms, exs = _group(client, 2, timeout_s=0.5)
+    _round(exs, 0)
+    ms[1]._stop.set()  # heartbeat thread stops, nothing is marked
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    got = _round(exs, 1, skip=(1,))
+    waited = time.monotonic() - t0
+    assert got[0][1] is None and 1 in ms[0].lost
+    assert 0.4 < waited < 5, waited
+
+
+def test_a_stalled_peer_is_dropped_after_the_timeout(store):
+    """Heartbeat alive but no payload (stuck in a step): dropped after timeout_s."""
+    _, client = store
+    ms, exs = _group(client, 2, timeout_s=0.5)
+    _round(exs, 0)
+    got = _round(exs, 1, skip=(1,))
+    assert got[0][1] is None and "no payload" in ms[0].lost[1]
+
+
+def test_a_lost_store_leaves_the_node_alone(store):
+    """The store's host is gone: the node logs it and trains on its own samples."""
+    _, client = store
+    ms, exs = _group(client, 2, timeout_s=5)
+    _round(exs, 0)
+    exs[0].store = _Broken()
+    got = exs[0].all_gather(peer_batch(0, 1))
+    assert got[0] is not None and got[1] is None and ms[0].is_broken
+
+
+class _Broken:
+    def __getattr__(self, name):
+        def fail(*a, **k):
+            raise dist.DistNetworkError("connection reset")
+
+        return fail
+
+
+def test_catching_up_after_a_resume(store):
+    """Node 1 resumed from an older checkpoint: it trains alone until node 0's first step."""
+    _, client = store
+    ms, exs = _group(client, 2, first_steps=[5, 3])
+    got = exs[1].all_gather(peer_batch(1, 3))  # steps 3 and 4: node 0 is not part of them
+    assert got[0] is None and not ms[1].lost
+    exs[1].all_gather(peer_batch(1, 4))
+    got = _round(exs, 5)
+    assert got[0][1] is not None and got[1][0] is not None
+
+
+def test_the_group_forms_whole_or_not_at_all(store):
+    _, client = store
+    ms = [Membership(client(), r, 2, timeout_s=5) for r in range(2)]
+    out = {}
+    threads = [
+        threading.Thread(target=lambda r=r: out.__setitem__(r, ms[r].gather(f"v{r}")))
+        for r in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out[0] == out[1] == ["v0", "v1"]
+    # a peer that died before saying hello: an error naming it, not a hang
+    m = Membership(client("run2"), 0, 3, timeout_s=5)
+    mark_left(client("run2"), 1, "its process exited with code 2")
+    with pytest.raises(PeerGroupError, match="rank 1 exited before the group formed"):
+        m.gather("v0")
+    with pytest.raises(PeerGroupError, match=r"ranks \[1\] did not join within 0.3 s"):
+        Membership(client("run3"), 0, 2, timeout_s=5).gather("other", timeout_s=0.3)
