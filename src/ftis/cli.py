@@ -244,6 +244,7 @@ def bench(
     quick: Annotated[bool, typer.Option("--quick", help="A short version (about a minute).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
     out: Annotated[Path | None, typer.Option("--out", help="Markdown report (default docs/BENCHMARKS.md for a full run, none for --quick).")] = None,
+    threads: Annotated[int, typer.Option("--threads", min=1, help="Torch threads per process (1 keeps ratios stable on a busy machine).")] = 1,
 ) -> None:
     """Benchmarks side by side (ftis vs TRL, sampler vs generate, wire cost, scaling, memory).
 
@@ -261,7 +262,7 @@ def bench(
 
     if out is None and not quick:
         out = repo / "docs" / "BENCHMARKS.md"
-    results = bench_main(quick=quick, out=out)
+    results = bench_main(quick=quick, out=out, threads=threads)
     if as_json:
         typer.echo(json.dumps(flat_summary(results)))
     else:
