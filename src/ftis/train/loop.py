@@ -303,7 +303,14 @@ def _train_step(
                 rejected += 1
     batch = RolloutBatch.concat([b for b in received if b is not None], node.tokenizer.pad_token_id)
     with timer("score"):
-        rewards = phases.score(task, node.tokenizer, batch)
+        rewards, bad_rewards = phases.finite_rewards(phases.score(task, node.tokenizer, batch))
+    if bad_rewards:
+        log.warning(
+            "node %s step %d: the verifier returned %d non-finite rewards; counted as 0",
+            node.name,
+            step,
+            bad_rewards,
+        )
     with timer("advantages"):
         adv = phases.advantages_for(batch, rewards, loss_cfg.advantage_scale)
     metrics: dict[str, float] = {}
@@ -319,6 +326,7 @@ def _train_step(
             metrics["train/skipped_update"] = 1
             counters["skipped_updates_total"] += 1
     metrics["train/skipped_updates_total"] = counters["skipped_updates_total"]
+    metrics["reward/non_finite"] = float(bad_rewards)
     metrics.update(_reward_metrics(batch, rewards, rank))
     metrics.update(_exchange_metrics(exchange, own, batch, rejected=rejected))
     counters["generated_tokens_total"] += own.num_tokens

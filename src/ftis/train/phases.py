@@ -304,3 +304,11 @@ def adversarial(
         lengths=lengths,
         sampler_logprobs=lp,
     )
+
+
+def finite_rewards(rewards: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(rewards with every NaN/inf replaced by 0, how many were replaced): a verifier that cannot
+    decide gives no reward, and a NaN never reaches the advantages."""
+    bad = ~torch.isfinite(rewards)
+    n_bad = int(bad.sum())
+    return (torch.where(bad, torch.zeros_like(rewards), rewards) if n_bad else rewards), n_bad
