@@ -95,3 +95,22 @@ def test_report_and_compare(tmp_path):
     assert res.exit_code == 0 and (tmp_path / "c.png").exists()
     res = runner.invoke(app, ["report", str(tmp_path)])
     assert res.exit_code == 2 and "run directory" in res.output
+
+
+def test_missing_data_file_is_a_clean_error(tmp_path):
+    res = runner.invoke(
+        app,
+        [
+            "run",
+            _config(tmp_path),
+            "--set",
+            f"task={{kind: gsm8k, train_file: {tmp_path}/none.jsonl, test_file: {tmp_path}/t.jsonl}}",
+            "--set",
+            "nodes.0.warm_start=null",
+            "--out",
+            str(tmp_path / "r"),
+        ],
+    )
+    assert res.exit_code == 2, res.output
+    assert "none.jsonl" in res.output and "train_file" in res.output
+    assert "Traceback" not in res.output

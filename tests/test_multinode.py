@@ -189,3 +189,112 @@ def test_a_lost_node_does_not_stop_the_others_and_resumes_alone(tmp_path):
         assert [r["step"] for r in rows if r["node"] == n] == [0, 1, 2, 3, 4], n
     resumed = [r for r in rows if r["node"] == "c" and r["step"] >= 2]
     assert all("exchange/peers" not in r or r["exchange/peers"] == 0 for r in resumed)
+
+
+def test_ctrl_c_checkpoints_every_node_and_resume_finishes_the_run(tmp_path):
+    """Ctrl-C to `ftis run`: the parent forwards it, every node ends its step, writes a
+    checkpoint and exits; the run exits 130. `--resume` finishes it: each node has every step's
+    row exactly once."""
+    import signal
+    import time
+
+    data = tiny_run_config(steps=40)
+    data["nodes"] = _nodes(("a", {"preset": "llama-xs"}), ("b", {"preset": "llama-xs"}))
+    data["eval"]["every"] = 0
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    out = tmp_path / "run"
+    parent = subprocess.Popen(
+        [sys.executable, "-m", "ftis.cli", "run", str(cfg), "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            states = []
+            for n in ("a", "b"):
+                try:
+                    states.append(json.loads((out / ".status" / f"{n}.json").read_text()))
+                except (OSError, json.JSONDecodeError):
+                    states.append({})
+            if all(s.get("event") == "step" and s.get("step", 0) >= 2 for s in states):
+                break
+            assert parent.poll() is None, parent.communicate()[0]
+            time.sleep(0.2)
+        parent.send_signal(signal.SIGINT)
+        output, _ = parent.communicate(timeout=120)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    assert parent.returncode == 130, output
+    assert "ftis run --resume" in output
+    rows = _rows(out)
+    for n in ("a", "b"):
+        ckpt = (out / "nodes" / n / "latest").read_text().strip()
+        last = int(ckpt.removeprefix("step-"))
+        assert 2 <= last < 40
+        assert [r["step"] for r in rows if r["node"] == n] == list(range(last + 1)), n
+    res = runner.invoke(app, ["run", "--resume", str(out), "--set", "train.steps=" + str(last + 2)])
+    assert res.exit_code == 0, res.output
+    rows = _rows(out)
+    for n in ("a", "b"):
+        assert [r["step"] for r in rows if r["node"] == n] == list(range(last + 3)), n
+
+
+class _FakeMembership:
+    def __init__(self, values):
+        self.values = values
+
+    def gather(self, value, *, timeout_s=None):
+        return self.values
+
+
+def test_group_checks_name_what_differs():
+    from ftis.config import RunConfig
+    from ftis.worker import GroupMismatchError, check_group, shared_settings_digest
+
+    data = tiny_run_config()
+    data["nodes"] = _nodes(("a", {"preset": "llama-xs"}), ("b", {"preset": "llama-xs"}))
+    cfg = RunConfig.model_validate(data)
+    d = shared_settings_digest(cfg)
+    assert check_group(cfg, _FakeMembership([f"t:{d}:1", f"t:{d}:5"]), "t") == [1, 5]
+    with pytest.raises(GroupMismatchError, match="different task/train/sharing settings"):
+        check_group(cfg, _FakeMembership([f"t:{d}:1", "t:other:1"]), "t")
+    with pytest.raises(GroupMismatchError, match="b use tokenizer u"):
+        check_group(cfg, _FakeMembership([f"t:{d}:1", f"u:{d}:1"]), "t")
+    with pytest.raises(GroupMismatchError, match="different version of ftis"):
+        check_group(cfg, _FakeMembership([f"t:{d}:1", "garbage"]), "t")
+
+
+def test_worker_errors_are_clean(tmp_path, monkeypatch):
+    from ftis.worker import main
+
+    data = tiny_run_config()
+    data["nodes"] = _nodes(("a", {"preset": "llama-xs"}), ("b", {"preset": "llama-xs"}))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert main([str(cfg), "--out", str(tmp_path / "r")]) == 2
+    err = (tmp_path / "r" / "logs" / "rank0.error").read_text()
+    assert "declares 2 nodes but 3 processes" in err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main([str(cfg), "--out", str(tmp_path / "r")]) == 2
+    err = (tmp_path / "r" / "logs" / "rank0.error").read_text()
+    assert "MASTER_ADDR, MASTER_PORT not set" in err
+
+
+def test_a_node_that_cannot_start_fails_the_run_with_its_reason(tmp_path):
+    """One node's model path is wrong: it exits before the group forms, its peer is told so and
+    exits too (no timeout), and the error names the node and the path."""
+    data = tiny_run_config(steps=1)
+    data["nodes"] = _nodes(("a", {"preset": "llama-xs"}))
+    data["nodes"].append({"name": "b", "model": {"path": str(tmp_path / "no-such-model")}})
+    res, _ = _run(tmp_path, data)
+    assert res.exit_code == 2, res.output
+    assert "b: cannot load" in res.output and "no-such-model" in res.output
+    assert "Traceback" not in res.output

@@ -10,6 +10,8 @@ import signal
 import pytest
 import torch
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from ftis.cli import app
@@ -87,6 +89,29 @@ def test_peer_prompt_checks():
     # horizontal: every prompt, at most this peer's share of G (3 of G = 8 for rank 2 of 3)
     h = phases.peer_prompt_quota(idx, peer=2, world_size=3, scheme="horizontal", group_size=8)
     assert h == dict.fromkeys(idx, 2)
+
+
+@settings(max_examples=1000, deadline=None, database=None)
+@given(
+    st.lists(st.integers(-3, 30), max_size=24),
+    st.integers(0, 2),
+    st.sampled_from(["vertical", "horizontal"]),
+)
+def test_prompt_check_accepts_exactly_the_assigned_prompts(idx, peer, scheme):
+    """1,000 random prompt columns: accepted if and only if every index is one this peer was
+    dealt at this step, at most its share of times."""
+    step = [1, 5, 9, 13, 17, 21, 26]
+    quota = phases.peer_prompt_quota(step, peer=peer, world_size=3, scheme=scheme, group_size=4)
+    n = len(idx)
+    batch = RolloutBatch(
+        prompt_index=torch.tensor(idx, dtype=torch.long),
+        generator=torch.full((n,), peer),
+        completion_ids=torch.ones(n, 1, dtype=torch.long),
+        lengths=torch.ones(n, dtype=torch.long),
+        sampler_logprobs=torch.zeros(n, 1),
+    )
+    ok = all(i in quota and idx.count(i) <= quota[i] for i in idx)
+    assert (phases.check_peer_batch(batch, quota, train_size=27) is None) == ok
 
 
 # ---- adversarial but well-formed peers ---------------------------------------------------------

@@ -136,7 +136,11 @@ def run_multi(
     if result.interrupted:
         raise KeyboardInterrupt  # a node was stopped by a signal, after its checkpoint
     if not any(c == 0 for c in result.exit_codes.values()):
-        detail = "\n".join(dict.fromkeys(result.errors.values())) or (f"see the logs in {logs}")
+        # Root causes first: a peer that only saw another node leave adds nothing.
+        causes = {n: e for n, e in result.errors.items() if "before the group formed" not in e}
+        detail = "\n".join(f"{n}: {e}" for n, e in (causes or result.errors).items()) or (
+            f"see the logs in {logs}"
+        )
         codes = sorted(set(result.exit_codes.values()))
         raise LaunchError(f"every node failed (exit codes {codes}): {detail}")
     return result

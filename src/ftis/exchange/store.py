@@ -83,25 +83,32 @@ def connect_store(timeout_s: float) -> tuple[dist.Store, int, int]:
     one, else rank 0 hosts it."""
     missing = [k for k in _ENV_VARS if k not in os.environ]
     if missing:
-        raise RuntimeError(
+        raise PeerGroupError(
             f"cannot join the peers: {', '.join(missing)} not set. Start the nodes with "
             "`ftis run` or torchrun, which set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT."
         )
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if not 0 <= rank < world_size:
-        raise RuntimeError(f"RANK={rank} must lie in [0, WORLD_SIZE={world_size})")
+        raise PeerGroupError(f"RANK={rank} must lie in [0, WORLD_SIZE={world_size})")
     hosted = (
         os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         or os.environ.get(HOSTED_ENV) == "1"
     )
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world_size=None if hosted else world_size,
-        is_master=not hosted and rank == 0,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=max(1.0, min(timeout_s, 300.0))),
-    )
+    addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    try:
+        store = dist.TCPStore(
+            addr,
+            int(port),
+            world_size=None if hosted else world_size,
+            is_master=not hosted and rank == 0,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=max(1.0, min(timeout_s, 300.0))),
+        )
+    except (RuntimeError, ValueError) as e:
+        raise PeerGroupError(
+            f"cannot reach the store at MASTER_ADDR={addr} MASTER_PORT={port} ({e}); check that "
+            "rank 0's machine is up and the port is open (and free, on rank 0)"
+        ) from e
     return dist.PrefixStore(_prefix(), store), rank, world_size
 
 
