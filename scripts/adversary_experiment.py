@@ -83,7 +83,12 @@ def main() -> None:
         for method in METHODS:
             for adversary in ADVERSARIES:
                 s = one_run(
-                    args.out, adversary=adversary, method=method, seed=seed, steps=args.steps
+                    args.out,
+                    adversary=adversary,
+                    method=method,
+                    seed=seed,
+                    steps=args.steps,
+                    scheme=args.scheme,
                 )
                 print(json.dumps(s), flush=True)
                 results.append(s)
