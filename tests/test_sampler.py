@@ -149,3 +149,36 @@ def test_noise_driven_sampling_matches_the_distribution_and_ignores_batch_mates(
         probs = model(input_ids=torch.tensor([prompt])).logits[0, -1].softmax(-1)
     freq = torch.bincount(s.completion_ids[:, 0], minlength=probs.shape[0]).float() / 2000
     assert (freq - probs).abs().max() < 0.05
+
+
+@pytest.mark.parametrize(("preset", "lora"), [("llama-xs", False), ("qwen2-s", False), ("llama-xs", True)])
+def test_shared_prompt_scoring_equals_scoring_each_sequence(preset, lora):
+    """Running each prompt once and gathering its KV cache gives the unshared pass's log-probs
+    and gradients (fp32; 1e-5 covers summation-order differences)."""
+    from ftis.models.loading import LoraConfig, attach_lora
+    from ftis.models.logprobs import shared_prompt_completion_logprobs
+
+    torch.manual_seed(0)
+    m = build_model(ModelConfig(preset=preset))
+    if lora:
+        m = attach_lora(m, LoraConfig(r=4))
+    prompt_ids, prompt_mask = left_pad([[1, 5, 6, 7], [1, 8], [1, 9, 9, 9, 9, 5]], 0)
+    prompt_of = torch.tensor([0, 0, 1, 2, 2, 2, 1])
+    lengths = torch.tensor([5, 3, 1, 4, 5, 2, 5])
+    mask = torch.arange(5)[None] < lengths[:, None]
+    comp = torch.where(mask, torch.randint(4, 90, (7, 5)), 0)
+
+    def run(fn, **kw):
+        lp = fn(m, completion_ids=comp, completion_mask=mask.long(), **kw)
+        (lp * mask).sum().backward()
+        grads = [p.grad.clone() for p in m.parameters() if p.requires_grad]
+        m.zero_grad()
+        return lp.detach(), grads
+
+    want, g_want = run(completion_logprobs, prompt_ids=prompt_ids[prompt_of],
+                       prompt_mask=prompt_mask[prompt_of])
+    got, g_got = run(shared_prompt_completion_logprobs, prompt_ids=prompt_ids,
+                     prompt_mask=prompt_mask, prompt_of=prompt_of)
+    torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=0)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

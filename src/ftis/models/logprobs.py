@@ -6,6 +6,8 @@ so every completion starts at column P and one forward pass serves the whole bat
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 
@@ -53,3 +55,49 @@ def completion_logprobs(
     if temperature != 1.0:
         logits = logits.float() / temperature
     return gather_logprobs(logits, completion_ids)
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    """transformers >= 5.2x names the KV-cache argument `cache`; older releases `past_key_values`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def shared_prompt_completion_logprobs(
+    model: torch.nn.Module,
+    *,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    prompt_of: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+) -> torch.Tensor:
+    """`completion_logprobs` for N completions that share U < N prompts, running each prompt
+    through the model once.
+
+    GRPO samples G completions per prompt, and scoring them one sequence at a time runs the
+    prompt G times. Here the U unique prompts (prompt_ids/prompt_mask (U, P), left-padded) go
+    through the model once, with gradient; their KV cache is then gathered to the N completion
+    rows (`prompt_of` (N,) int64: row i continues prompt prompt_of[i]) and the completions
+    (N, T) run on top of it. The math is the same as the unshared pass (the gradient reaches
+    the prompt's activations from every completion that attends to it); only the repeated
+    prompt work is gone. Returns (N, T) float32.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    cache_kw = {_cache_kwarg(model): cache}
+    prompt_pos = position_ids_from_mask(prompt_mask)
+    first = model(input_ids=prompt_ids, attention_mask=prompt_mask.long(), position_ids=prompt_pos,
+                  use_cache=True, logits_to_keep=1, **cache_kw)
+    # The last prompt position predicts the first completion token.
+    logits = [first.logits[:, -1:, :][prompt_of]]
+    t = completion_ids.shape[1]
+    if t > 1:
+        cache.batch_select_indices(prompt_of)
+        attn = torch.cat([prompt_mask[prompt_of], completion_mask[:, : t - 1]], dim=1).long()
+        pos = prompt_pos[prompt_of, -1:] + 1 + torch.arange(t - 1, device=completion_ids.device)[None, :]
+        rest = model(input_ids=completion_ids[:, : t - 1], attention_mask=attn, position_ids=pos,
+                     use_cache=True, **cache_kw)
+        logits.append(rest.logits)
+    return gather_logprobs(torch.cat(logits, dim=1), completion_ids)

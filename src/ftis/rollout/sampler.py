@@ -7,19 +7,12 @@ second scoring pass (docs/math.md §7).
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
-from ftis.models.logprobs import position_ids_from_mask
-
-
-def _cache_kwarg(model: torch.nn.Module) -> str:
-    """transformers >= 5.2x names the KV-cache argument `cache`; older releases `past_key_values`."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+from ftis.models.logprobs import _cache_kwarg, position_ids_from_mask
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 from ftis.config import LossConfig, TrainConfig
 from ftis.core.advantages import flat_group_advantages
 from ftis.core.losses import policy_loss
-from ftis.models.logprobs import completion_logprobs
+from ftis.models.logprobs import shared_prompt_completion_logprobs
 from ftis.rollout.sampler import left_pad, sample
 from ftis.rollout.types import RolloutBatch
 from ftis.tasks.base import Problem, Task
@@ -171,17 +171,20 @@ def update(
     mask_all = batch.mask
     for start in range(0, n, mb):
         sl = slice(start, min(start + mb, n))
+        # Each prompt of the micro-batch runs through the model once; its G completions share
+        # its KV cache (models/logprobs.py). Trim to the micro-batch's longest completion.
+        unique, prompt_of = torch.unique(batch.prompt_index[sl], return_inverse=True)
         prompt_ids, prompt_mask = left_pad(
-            [prompt_cache[i] for i in batch.prompt_index[sl].tolist()], tok.pad_token_id
+            [prompt_cache[i] for i in unique.tolist()], tok.pad_token_id
         )
-        # Trim the micro-batch to its own longest completion: padding costs compute.
         width = max(int(batch.lengths[sl].max()), 1)
         comp = batch.completion_ids[sl, :width]
         mask = mask_all[sl, :width]
-        logprobs = completion_logprobs(
+        logprobs = shared_prompt_completion_logprobs(
             node.model,
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
+            prompt_of=prompt_of,
             completion_ids=comp,
             completion_mask=mask.long(),
         )
