@@ -191,10 +191,10 @@ def test_a_lost_node_does_not_stop_the_others_and_resumes_alone(tmp_path):
     assert all("exchange/peers" not in r or r["exchange/peers"] == 0 for r in resumed)
 
 
-def test_ctrl_c_checkpoints_every_node_and_resume_finishes_the_run(tmp_path):
+def test_ctrl_c_checkpoints_every_node(tmp_path):
     """Ctrl-C to `ftis run`: the parent forwards it, every node ends its step, writes a
-    checkpoint and exits; the run exits 130. `--resume` finishes it: each node has every step's
-    row exactly once."""
+    checkpoint and exits; the run exits 130 and says how to resume. Each node's rows are exactly
+    the steps its checkpoint holds (resume itself: the lost-node test above)."""
     import signal
     import time
 
@@ -236,11 +236,6 @@ def test_ctrl_c_checkpoints_every_node_and_resume_finishes_the_run(tmp_path):
         last = int(ckpt.removeprefix("step-"))
         assert 2 <= last < 40
         assert [r["step"] for r in rows if r["node"] == n] == list(range(last + 1)), n
-    res = runner.invoke(app, ["run", "--resume", str(out), "--set", "train.steps=" + str(last + 2)])
-    assert res.exit_code == 0, res.output
-    rows = _rows(out)
-    for n in ("a", "b"):
-        assert [r["step"] for r in rows if r["node"] == n] == list(range(last + 3)), n
 
 
 class _FakeMembership:
