@@ -112,11 +112,18 @@ def run(
     )
 
     from ftis.launch import run_local
-    from ftis.launch_multi import LaunchError
+    from ftis.launch_multi import LaunchError, NodesLostError
     from ftis.train.loop import SimulatedCrash
 
     try:
-        result = run_local(cfg, run_dir, console=console, resume=resume is not None)
+        run_local(cfg, run_dir, console=console, resume=resume is not None)
+    except NodesLostError as e:  # the others finished: report them, then fail
+        _finish(run_dir)
+        _fail(
+            f"{e}. The report covers every node's rows; continue the lost nodes with: "
+            f"ftis run --resume {run_dir}",
+            1,
+        )
     except (ModelLoadError, TaskDataError, ConfigError, CheckpointError, LaunchError) as e:
         _fail(str(e))
     except SimulatedCrash as e:
@@ -124,13 +131,6 @@ def run(
     except KeyboardInterrupt:
         _fail(f"interrupted; the nodes wrote checkpoints: ftis run --resume {run_dir}", 130)
     _finish(run_dir)
-    if result.failed:
-        _fail(
-            f"the run finished without {', '.join(result.failed)}: {result.describe_failures()}. "
-            f"The report covers every node's rows; continue the lost nodes with: "
-            f"ftis run --resume {run_dir}",
-            1,
-        )
 
 
 def _resumable_config(run_dir: Path, overrides: list[str]):

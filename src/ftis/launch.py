@@ -51,8 +51,8 @@ def run_local(
     """Run every node of `cfg` on this machine: in this process when there is one node, else
     one process per node (ftis.launch_multi, ftis.worker). `resume` continues every node from
     its newest checkpoint. Ctrl-C stops the nodes after a checkpoint, then raises
-    KeyboardInterrupt. Returns how each node ended (MultiResult: a node may have been lost while
-    the others finished)."""
+    KeyboardInterrupt. A node lost while the others finished raises NodesLostError (a
+    LaunchError) after they wrote everything."""
     if len(cfg.nodes) != 1:
         from ftis.launch_multi import run_multi
 

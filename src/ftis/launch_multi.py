@@ -33,6 +33,17 @@ class LaunchError(RuntimeError):
     """No node finished; the message carries the nodes' own error messages."""
 
 
+class NodesLostError(LaunchError):
+    """Some nodes failed while the others finished (their rows and checkpoints are written);
+    `result` says which. The CLI writes the report and exits 1."""
+
+    def __init__(self, result: MultiResult) -> None:
+        super().__init__(
+            f"the run finished without {', '.join(result.failed)}: {result.describe_failures()}"
+        )
+        self.result = result
+
+
 @dataclass
 class MultiResult:
     """How each node's process ended: name -> exit code (0 finished, 130 stopped by Ctrl-C with a
@@ -65,7 +76,8 @@ def run_multi(
     cfg: RunConfig, run_dir: Path, *, console: Console | None = None, resume: bool = False
 ) -> MultiResult:
     """Run every node to the end. Raises LaunchError when no node finished (every node failed,
-    e.g. a config or model error), KeyboardInterrupt after forwarding Ctrl-C to the nodes."""
+    e.g. a config or model error), NodesLostError when some failed and the others finished,
+    KeyboardInterrupt after forwarding Ctrl-C to the nodes (they checkpoint first)."""
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     for old in logs.glob("rank*.error"):
@@ -143,6 +155,8 @@ def run_multi(
         )
         codes = sorted(set(result.exit_codes.values()))
         raise LaunchError(f"every node failed (exit codes {codes}): {detail}")
+    if result.failed:
+        raise NodesLostError(result)
     return result
 
 
