@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 HOSTED_ENV = "FTIS_STORE_HOSTED"  # set by `ftis run`: the parent process hosts the store
-_POLL_MIN_S, _POLL_MAX_S = 0.002, 0.05
+_POLL_MIN_S, _POLL_MAX_S = 0.001, 0.02  # a peer's payload is noticed within 20 ms
 
 
 class PeerGroupError(RuntimeError):
