@@ -222,6 +222,17 @@ def update(
         # would have after a full backward pass of zeros.
         for p in params:
             p.grad = torch.zeros_like(p)
+        # The loss's own metrics over no sequence (0, as for any empty mask), so that every row
+        # carries the same loss/* keys.
+        _, empty = policy_loss(
+            torch.zeros(0, 1),
+            torch.zeros(0, 1),
+            torch.zeros(0),
+            torch.zeros(0, 1, dtype=torch.bool),
+            method=loss_cfg.method,
+            num_sequences=n_total if loss_cfg.filter_mode == "zero" else None,
+        )
+        totals.update({k: float(v) for k, v in empty.items()})
     else:
         totals["filtered_frac"] = totals.get("filtered_frac", 0.0) * n / n_total
     totals["active_frac"] = n / n_total if n_total else 0.0
