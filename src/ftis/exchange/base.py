@@ -7,10 +7,29 @@ torch.distributed transport. Nothing outside `ftis.exchange` calls a collective.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from ftis.rollout.types import RolloutBatch
+
+_ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def rank_from_env(error: type[Exception], joining: str) -> tuple[int, int]:
+    """(rank, world_size) from torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT). Raises `error`, saying it cannot join `joining`, when one is missing or RANK
+    is out of range."""
+    missing = [k for k in _ENV_VARS if k not in os.environ]
+    if missing:
+        raise error(
+            f"cannot join {joining}: {', '.join(missing)} not set. Start the nodes with "
+            "`ftis run` or torchrun, which set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT."
+        )
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if not 0 <= rank < world_size:
+        raise error(f"RANK={rank} must lie in [0, WORLD_SIZE={world_size})")
+    return rank, world_size
 
 
 class ExchangeAborted(RuntimeError):

@@ -15,27 +15,19 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ftis.exchange.base import ExchangeStats
-from ftis.exchange.wire import (
-    DEFAULT_LOGPROB_FORMAT,
-    PayloadError,
-    decode_rollouts,
-    describe_logprob_format,
-    encode_rollouts,
-    max_payload_size,
-)
+from ftis.exchange.base import rank_from_env
+from ftis.exchange.codec import PayloadExchange
+from ftis.exchange.wire import DEFAULT_LOGPROB_FORMAT, describe_logprob_format
 from ftis.rollout.types import RolloutBatch
 
 log = logging.getLogger(__name__)
 
 _MAX_STRING_BYTES = 1 << 20
-_ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def init_process_group_from_env(
@@ -50,15 +42,7 @@ def init_process_group_from_env(
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    missing = [k for k in _ENV_VARS if k not in os.environ]
-    if missing:
-        raise RuntimeError(
-            f"cannot join a process group: {', '.join(missing)} not set. Start the nodes with "
-            "`ftis run` or torchrun, which set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT."
-        )
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if not 0 <= rank < world_size:
-        raise RuntimeError(f"RANK={rank} must lie in [0, WORLD_SIZE={world_size})")
+    rank, world_size = rank_from_env(RuntimeError, "a process group")
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in ("gloo", "nccl"):
@@ -155,19 +139,7 @@ def require_agreement(
         raise RuntimeError(f"{what} differs between ranks ({listing}). {hint}".rstrip())
 
 
-def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
-    if device.type == "cpu":
-        return batch
-    return RolloutBatch(
-        prompt_index=batch.prompt_index.to(device),
-        generator=batch.generator.to(device),
-        completion_ids=batch.completion_ids.to(device),
-        lengths=batch.lengths.to(device),
-        sampler_logprobs=batch.sampler_logprobs.to(device),
-    )
-
-
-class DistributedExchange:
+class DistributedExchange(PayloadExchange):
     """`Exchange` over an initialised torch.distributed group (gloo on CPU, NCCL on GPU).
 
     Args:
@@ -211,21 +183,18 @@ class DistributedExchange:
                 f"rank/world_size ({rank}, {world_size}) disagree with the process group "
                 f"({dist.get_rank(group)}, {dist.get_world_size(group)})"
             )
-        self.rank = rank
-        self.world_size = world_size
-        self.vocab_size = vocab_size
-        self.max_tokens = max_tokens
-        self.max_sequences = max_sequences
-        self.pad_id = pad_id
-        self.logprob_format = logprob_format
-        self.compress = compress
+        super().__init__(
+            rank,
+            world_size,
+            vocab_size=vocab_size,
+            max_tokens=max_tokens,
+            pad_id=pad_id,
+            logprob_format=logprob_format,
+            max_sequences=max_sequences,
+            compress=compress,
+        )
         self.timeout_s = timeout_s
         self.group = group
-        self.last_stats = ExchangeStats()
-        self.corrupt_for_test: Callable[[bytes], bytes] | None = None
-        self._max_payload = max_payload_size(
-            max_sequences=max_sequences, max_tokens=max_tokens, vocab_size=vocab_size
-        )
         log.info(
             "rank %d: exchange ready, log-probs as %s",
             rank,
@@ -234,61 +203,20 @@ class DistributedExchange:
 
     def all_gather(self, batch: RolloutBatch) -> list[RolloutBatch | None]:
         t0 = time.perf_counter()
-        try:
-            payload = encode_rollouts(
-                batch,
-                logprob_format=self.logprob_format,
-                vocab_size=self.vocab_size,
-                compress=self.compress,
-            )
-        except ValueError as e:
-            # Still take part in the collectives (peers would hang otherwise); they reject b"".
-            log.error(
-                "rank %d: own batch cannot be encoded, peers will reject it: %s", self.rank, e
-            )
-            payload = b""
-        if self.corrupt_for_test is not None:
-            payload = self.corrupt_for_test(payload)
+        payload = self._encode_own(batch, logger=log)
         t1 = time.perf_counter()
         gathered = _all_gather_bytes(
             payload, group=self.group, max_bytes=self._max_payload, timeout_s=self.timeout_s
         )
         t2 = time.perf_counter()
-        device = batch.completion_ids.device
-        out: list[RolloutBatch | None] = []
-        rejected = received = 0
-        for peer, (size, data) in enumerate(gathered):
-            if peer == self.rank:
-                out.append(batch)
-                continue
-            received += max(size, 0)
-            try:
-                if data is None:
-                    raise PayloadError(f"{size} bytes exceeds the limit of {self._max_payload}")
-                peer_batch = decode_rollouts(
-                    data,
-                    vocab_size=self.vocab_size,
-                    max_tokens=self.max_tokens,
-                    max_sequences=self.max_sequences,
-                    expected_generator=peer,
-                    pad_id=self.pad_id,
-                )
-            except PayloadError as e:
-                log.warning(
-                    "rank %d: rejected rank %d's payload (%d bytes): %s", self.rank, peer, size, e
-                )
-                rejected += 1
-                out.append(None)
-                continue
-            out.append(_to_device(peer_batch, device))
-        t3 = time.perf_counter()
-        self.last_stats = ExchangeStats(
-            bytes_sent=len(payload),
-            bytes_received=received,
-            seconds=t3 - t0,
-            rejected=rejected,
-            extra={"encode_seconds": t1 - t0, "comm_seconds": t2 - t1, "decode_seconds": t3 - t2},
+        peers = self._decode_peers(
+            {p: got for p, got in enumerate(gathered) if p != self.rank},
+            device=batch.completion_ids.device,
+            logger=log,
         )
+        t3 = time.perf_counter()
+        out = [batch if p == self.rank else peers.batches[p] for p in range(len(gathered))]
+        self.last_stats = self._stats(payload, peers, (t0, t1, t2, t3))
         return out
 
     def close(self) -> None:

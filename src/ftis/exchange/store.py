@@ -34,20 +34,13 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ftis.exchange.base import ExchangeAborted, ExchangeStats
-from ftis.exchange.wire import (
-    DEFAULT_LOGPROB_FORMAT,
-    PayloadError,
-    decode_rollouts,
-    describe_logprob_format,
-    encode_rollouts,
-    max_payload_size,
-)
+from ftis.exchange.base import ExchangeAborted, rank_from_env
+from ftis.exchange.codec import PayloadExchange
+from ftis.exchange.wire import DEFAULT_LOGPROB_FORMAT, describe_logprob_format
 from ftis.rollout.types import RolloutBatch
 
 log = logging.getLogger(__name__)
 
-_ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 HOSTED_ENV = "FTIS_STORE_HOSTED"  # set by `ftis run`: the parent process hosts the store
 _POLL_MIN_S, _POLL_MAX_S = 0.001, 0.02  # a peer's payload is noticed within 20 ms
 
@@ -81,15 +74,7 @@ def connect_store(timeout_s: float) -> tuple[dist.Store, int, int]:
     """(prefixed store, rank, world_size) from torchrun's variables: RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT. A client of the launcher's or torchrun agent's store when there is
     one, else rank 0 hosts it."""
-    missing = [k for k in _ENV_VARS if k not in os.environ]
-    if missing:
-        raise PeerGroupError(
-            f"cannot join the peers: {', '.join(missing)} not set. Start the nodes with "
-            "`ftis run` or torchrun, which set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT."
-        )
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if not 0 <= rank < world_size:
-        raise PeerGroupError(f"RANK={rank} must lie in [0, WORLD_SIZE={world_size})")
+    rank, world_size = rank_from_env(PeerGroupError, "the peers")
     hosted = (
         os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         or os.environ.get(HOSTED_ENV) == "1"
@@ -225,7 +210,7 @@ class Membership:
             pass
 
 
-class StoreExchange:
+class StoreExchange(PayloadExchange):
     """`Exchange` through a store: tolerant of peers that die, stall or leave.
 
     Args:
@@ -255,28 +240,25 @@ class StoreExchange:
         compress: bool = False,
         should_stop: Callable[[], bool] | None = None,
     ) -> None:
+        if len(first_steps) != membership.world_size:
+            raise ValueError(
+                f"first_steps has {len(first_steps)} entries, world is {membership.world_size}"
+            )
+        super().__init__(
+            membership.rank,
+            membership.world_size,
+            vocab_size=vocab_size,
+            max_tokens=max_tokens,
+            pad_id=pad_id,
+            logprob_format=logprob_format,
+            max_sequences=max_sequences,
+            compress=compress,
+        )
         self.m = membership
         self.store = membership.store
-        self.rank = membership.rank
-        self.world_size = membership.world_size
-        if len(first_steps) != self.world_size:
-            raise ValueError(
-                f"first_steps has {len(first_steps)} entries, world is {self.world_size}"
-            )
         self.first_steps = first_steps
         self.step = first_steps[self.rank]
-        self.vocab_size = vocab_size
-        self.max_tokens = max_tokens
-        self.max_sequences = max_sequences
-        self.pad_id = pad_id
-        self.logprob_format = logprob_format
-        self.compress = compress
         self.should_stop = should_stop or (lambda: False)
-        self.last_stats = ExchangeStats()
-        self.corrupt_for_test: Callable[[bytes], bytes] | None = None
-        self._max_payload = max_payload_size(
-            max_sequences=max_sequences, max_tokens=max_tokens, vocab_size=vocab_size
-        )
         self._ready_seen: dict[int, float] = {}
         try:
             self.store.set(f"ready/{self.rank}", "1")
@@ -297,20 +279,7 @@ class StoreExchange:
         if self.should_stop():
             raise ExchangeAborted(f"stop requested before the exchange of step {step}")
         t0 = time.perf_counter()
-        try:
-            payload = encode_rollouts(
-                batch,
-                logprob_format=self.logprob_format,
-                vocab_size=self.vocab_size,
-                compress=self.compress,
-            )
-        except ValueError as e:
-            log.error(
-                "rank %d: own batch cannot be encoded, peers will reject it: %s", self.rank, e
-            )
-            payload = b""
-        if self.corrupt_for_test is not None:
-            payload = self.corrupt_for_test(payload)
+        payload = self._encode_own(batch, logger=log)
         t1 = time.perf_counter()
         out: list[RolloutBatch | None] = [None] * self.world_size
         out[self.rank] = batch
@@ -321,46 +290,18 @@ class StoreExchange:
             except RuntimeError as e:  # the store went away mid-step
                 self.m.broken(e, step=step)
         t2 = time.perf_counter()
-        rejected = received = 0
-        for peer, data in raw.items():
-            received += len(data)
-            try:
-                if len(data) > self._max_payload:
-                    raise PayloadError(
-                        f"{len(data)} bytes exceeds the limit of {self._max_payload}"
-                    )
-                out[peer] = decode_rollouts(
-                    data,
-                    vocab_size=self.vocab_size,
-                    max_tokens=self.max_tokens,
-                    max_sequences=self.max_sequences,
-                    expected_generator=peer,
-                    pad_id=self.pad_id,
-                )
-            except PayloadError as e:
-                log.warning(
-                    "rank %d: rejected rank %d's payload of step %d (%d bytes): %s",
-                    self.rank,
-                    peer,
-                    step,
-                    len(data),
-                    e,
-                )
-                rejected += 1
+        peers = self._decode_peers(
+            {p: (len(data), data) for p, data in raw.items()}, step=step, logger=log
+        )
+        for p, peer_batch in peers.batches.items():
+            out[p] = peer_batch
         t3 = time.perf_counter()
         self.step += 1
-        self.last_stats = ExchangeStats(
-            bytes_sent=len(payload),
-            bytes_received=received,
-            seconds=t3 - t0,
-            rejected=rejected,
-            extra={
-                "encode_seconds": t1 - t0,
-                "comm_seconds": t2 - t1,
-                "decode_seconds": t3 - t2,
-                "peers": float(len(raw)),
-                "lost_peers": float(len(self.m.lost)),
-            },
+        self.last_stats = self._stats(
+            payload,
+            peers,
+            (t0, t1, t2, t3),
+            {"peers": float(len(raw)), "lost_peers": float(len(self.m.lost))},
         )
         return out
 
