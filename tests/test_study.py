@@ -196,6 +196,10 @@ class TestResults:
         # b: (0, 5, 40) pp -> +15.0 ± sqrt((15^2 + 10^2 + 25^2) / 2) = 21.8
         gain = next(line for line in text.splitlines() if "| F-TIS | a:" in line)
         assert "a: +10.0 ± 5.0" in gain and "b: +15.0 ± 21.8" in gain
+        # equal budget: the pair's final point (step 3: 300 tokens) against Alone's eval point
+        # nearest 300 tokens; Alone's fake rows have evals only at steps 0 and 3 -> step 3
+        budget = _cells(text, "| pair | F-TIS | b |")
+        assert budget[3:] == ["300", "60.0 ± 26.5", "300 (step 3)", "45.0 ± 5.0"]
         assert "Partial results: 9 of 17 runs complete" in text
         assert "My reading." in text and text.count(READING_BEGIN) == 1
         for png in ("curves.png", "budget-tokens.png", "budget-time.png"):

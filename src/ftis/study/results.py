@@ -390,6 +390,17 @@ def render(
         "",
     ]
     L += _gain_table(study, results)
+    L += [
+        "",
+        "## Equal budget: accuracy per generated token",
+        "",
+        "With vertical sharing a node in a pair generates half of the groups it trains on. Here "
+        "each two-node run's final test accuracy is set against its node's `Alone` run at the "
+        "evaluation where Alone had generated about as many completion tokens itself (the "
+        "nearest evaluation point; mean ± std over seeds; tokens are means over seeds).",
+        "",
+    ]
+    L += _budget_table(study, results)
     L += ["", "## Curves", ""]
     assets = report_path.parent / "results"
     rel_assets = os.path.relpath(assets, report_path.parent)
@@ -430,6 +441,49 @@ def _rel(path: Path) -> str:
 def _budget_variants(study: Study) -> list[str]:
     wanted = ["alone", "f-tis", "vis", "nois"]
     return [m for m in wanted if m in study.spec.methods]
+
+
+def _budget_table(study: Study, results: list[RunResult]) -> list[str]:
+    rows = []
+    for p, ps in study.spec.pairings.items():
+        alone = [v for v in _variant_order(study, p) if study.spec.methods[v.split(" ")[0]].alone]
+        if not alone:
+            continue
+        for v in _main_variants(study, p):
+            if v in alone:
+                continue
+            for n in _node_order(study, p):
+                mine = _curves_for(results, p, v, n)
+                base = _curves_for(results, p, alone[0], n)
+                if not mine or not base:
+                    continue
+                tokens = statistics.fmean(c.tokens[-1] for c in mine)
+                k = min(len(c.steps) for c in base)
+                mean_tokens = [statistics.fmean(c.tokens[i] for c in base) for i in range(k)]
+                i = min(range(k), key=lambda j: abs(mean_tokens[j] - tokens))
+                rows.append(
+                    [
+                        ps.label or p,
+                        _label(study, v),
+                        n,
+                        f"{tokens:,.0f}",
+                        fmt_pct([c.final("test") for c in mine]),
+                        f"{mean_tokens[i]:,.0f} (step {base[0].steps[i]})",
+                        fmt_pct([c.acc["test"][i] for c in base]),
+                    ]
+                )
+    if not rows:
+        return ["_No Alone baseline in the complete runs._"]
+    header = [
+        "pairing",
+        "method",
+        "node",
+        "tokens (pair, final)",
+        "test acc (pair)",
+        "tokens (Alone, nearest)",
+        "test acc (Alone, then)",
+    ]
+    return _table(header, rows)
 
 
 def _gain_table(study: Study, results: list[RunResult]) -> list[str]:
