@@ -210,6 +210,7 @@ def plot_grid(study: Study, results: list[RunResult], path: Path, *, x: str, var
             if j >= len(nodes):
                 ax.axis("off")
                 continue
+            ax.set_prop_cycle(color=[*plt.cm.tab10.colors, "black", "gold"])  # 12 distinct
             for v in variants or _variant_order(study, p):
                 if v not in _variant_order(study, p):
                     continue
