@@ -97,3 +97,15 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
         load_tokenizer(cfg)
     with pytest.raises(ModelLoadError, match="model.path="):
         build_model(cfg)
+
+
+def test_device_resolution_on_a_cpu_machine():
+    from ftis.models.loading import model_device, resolve_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ModelLoadError, match="CUDA is not available"):
+        resolve_device("cuda")
+    assert model_device(build_model(ModelConfig(preset="llama-xs"))) == torch.device("cpu")

@@ -115,6 +115,7 @@ def warm_start(
             completion_ids=comp,
             completion_mask=comp_mask,
         )
+        comp_mask = comp_mask.to(lp.device)
         loss = -(lp * comp_mask).sum() / comp_mask.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()

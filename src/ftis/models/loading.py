@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from typing import Literal
 
 import torch
@@ -52,6 +53,11 @@ class ModelConfig(BaseModel):
         "float32", description="Weight dtype. Log-probs are always computed in float32."
     )
     init_seed: int = Field(0, description="Seed of a preset's random initialisation.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="Where the node's model lives: 'auto' = this process's GPU (cuda:LOCAL_RANK) "
+        "when CUDA is available, else the CPU.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -83,8 +89,24 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     return tok
 
 
+def resolve_device(spec: str) -> torch.device:
+    """'auto' -> cuda:LOCAL_RANK when CUDA is available (one GPU per node process), else cpu."""
+    if spec == "cpu" or (spec == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ModelLoadError(
+            "model.device is 'cuda' but CUDA is not available here; use 'auto' or 'cpu'"
+        )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 def build_model(cfg: ModelConfig) -> PreTrainedModel:
-    """The base model (no adapters), in train mode, on the CPU."""
+    """The base model (no adapters), in train mode, on `cfg.device`."""
     dtype = DTYPES[cfg.dtype]
     if cfg.preset is not None:
         torch.manual_seed(cfg.init_seed)
@@ -99,7 +121,7 @@ def build_model(cfg: ModelConfig) -> PreTrainedModel:
                 "access."
             ) from e
     model.generation_config.pad_token_id = model.config.pad_token_id
-    return model
+    return model.to(resolve_device(cfg.device))
 
 
 def attach_lora(model: PreTrainedModel, lora: LoraConfig) -> torch.nn.Module:

@@ -38,9 +38,13 @@ def completion_logprobs(
     """Log-probs of each completion token under ``model``.
 
     prompt_ids/prompt_mask (N, P) left-padded; completion_ids/completion_mask (N, T) right-padded.
-    Returns (N, T) float32 with gradient (if enabled); values at masked positions are finite but
+    Inputs may live on any device; they are moved to the model's. Returns (N, T) float32 on the
+    model's device, with gradient (if enabled); values at masked positions are finite but
     meaningless.
     """
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+    completion_ids, completion_mask = completion_ids.to(device), completion_mask.to(device)
     p = prompt_ids.shape[1]
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
@@ -85,6 +89,9 @@ def shared_prompt_completion_logprobs(
     """
     from transformers import DynamicCache
 
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask, prompt_of = prompt_ids.to(device), prompt_mask.to(device), prompt_of.to(device)
+    completion_ids, completion_mask = completion_ids.to(device), completion_mask.to(device)
     cache = DynamicCache()
     cache_kw = {_cache_kwarg(model): cache}
     prompt_pos = position_ids_from_mask(prompt_mask)

@@ -64,8 +64,8 @@ def sample(
     Randomness comes from `noise` when given: (N, max_new_tokens) uniforms in [0, 1), one per
     row and position, and token t of row i is the inverse-CDF draw at noise[i, t]. The samples
     then depend only on the model, the prompt and that row's noise, not on which other rows
-    share the batch, so splitting prompts among identical nodes changes nothing. Otherwise
-    `torch.multinomial` draws from `generator`.
+    share the batch, so splitting prompts among identical nodes changes nothing. Without
+    `noise`, the uniforms are drawn (on the CPU) from `generator`.
 
     With temperature 0 the recorded log-probs are the model's own (temperature 1) log-probs of
     the greedy tokens.
@@ -77,6 +77,9 @@ def sample(
             f"noise must have shape ({len(prompts) * num_samples}, {max_new_tokens}), "
             f"got {tuple(noise.shape)}"
         )
+    if noise is None and temperature > 0:
+        # Drawn on the CPU from `generator`, so a CPU generator also drives a GPU model.
+        noise = torch.rand((len(prompts) * num_samples, max_new_tokens), generator=generator)
     was_training = model.training
     model.eval()
     try:
@@ -109,12 +112,9 @@ def sample(
             logits = out.logits[:, -1, :].float()
             if temperature > 0:
                 logp = torch.log_softmax(logits / temperature, dim=-1)
-                if noise is not None:
-                    cdf = logp.exp().cumsum(-1)
-                    u = noise[:, t : t + 1].to(cdf.device) * cdf[:, -1:]
-                    tok = torch.searchsorted(cdf, u).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
-                else:
-                    tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+                cdf = logp.exp().cumsum(-1)
+                u = noise[:, t : t + 1].to(cdf.device) * cdf[:, -1:]
+                tok = torch.searchsorted(cdf, u).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
             else:
                 logp = torch.log_softmax(logits, dim=-1)
                 tok = logp.argmax(-1)

@@ -48,7 +48,9 @@ def build_node(cfg: NodeConfig, *, rank: int, task_cfg: BaseModel, warm_progress
     if cfg.warm_start is not None:
         path = warm_start(model_cfg, cfg.warm_start, task_cfg, progress=warm_progress)
         # The warm-started weights become the node's base model; LoRA (if any) goes on top.
-        model_cfg = ModelConfig(path=str(path), lora=cfg.model.lora, dtype=cfg.model.dtype)
+        model_cfg = ModelConfig(
+            path=str(path), lora=cfg.model.lora, dtype=cfg.model.dtype, device=cfg.model.device
+        )
     tokenizer = load_tokenizer(model_cfg)
     model = build_model(model_cfg)
     if model_cfg.lora is not None:

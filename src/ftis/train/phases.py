@@ -188,11 +188,12 @@ def update(
             completion_ids=comp,
             completion_mask=mask.long(),
         )
+        dev = logprobs.device  # the model's: a GPU node trains on the GPU, batches stay on CPU
         loss, metrics = policy_loss(
             logprobs,
-            batch.sampler_logprobs[sl, :width],
-            advantages[sl],
-            mask,
+            batch.sampler_logprobs[sl, :width].to(dev),
+            advantages[sl].to(dev),
+            mask.to(dev),
             method=loss_cfg.method,
             is_cap=loss_cfg.is_cap,
             clip_eps=loss_cfg.clip_eps,
