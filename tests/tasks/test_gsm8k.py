@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -153,10 +153,9 @@ class TestDataErrors:
         with pytest.raises(TaskDataError, match=TRAIN):
             fixture_path("nope.jsonl")
 
-    @pytest.mark.skipif(
-        importlib.util.find_spec("datasets") is not None, reason="datasets installed"
-    )
-    def test_hub_without_datasets_is_a_clear_error(self):
+    def test_hub_without_datasets_is_a_clear_error(self, monkeypatch):
+        # Make `import datasets` fail as it does where the package is not installed.
+        monkeypatch.setitem(sys.modules, "datasets", None)
         with pytest.raises(TaskDataError, match=r"train_file=.*`datasets`"):
             GSM8KTask(_cfg(train_file="hf://openai/gsm8k:main:train"))
 
