@@ -25,6 +25,13 @@ class ConfigError(ValueError):
     """A config is invalid; the message names the field, the problem and the fix."""
 
 
+def check_loss_method(name: str) -> str:
+    """A loss method name, or a ValueError listing the valid ones."""
+    if name not in LOSS_METHODS:
+        raise ValueError(f"unknown loss method {name!r}; choose one of: {', '.join(LOSS_METHODS)}")
+    return name
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -55,9 +62,7 @@ class LossConfig(_Strict):
     @field_validator("method")
     @classmethod
     def _known_method(cls, v: str) -> str:
-        if v not in LOSS_METHODS:
-            raise ValueError(f"unknown loss method {v!r}; choose one of: {', '.join(LOSS_METHODS)}")
-        return v
+        return check_loss_method(v)
 
 
 class OptimConfig(_Strict):

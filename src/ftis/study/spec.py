@@ -30,8 +30,13 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ftis.config import ConfigError, RunConfig, format_validation_error, load_config
-from ftis.core.losses import LOSS_METHODS
+from ftis.config import (
+    ConfigError,
+    RunConfig,
+    check_loss_method,
+    format_validation_error,
+    load_config,
+)
 
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
@@ -61,9 +66,7 @@ class MethodSpec(_Strict):
     @field_validator("loss")
     @classmethod
     def _known(cls, v: str) -> str:
-        if v not in LOSS_METHODS:
-            raise ValueError(f"unknown loss method {v!r}; choose one of: {', '.join(LOSS_METHODS)}")
-        return v
+        return check_loss_method(v)
 
 
 class GridBlock(_Strict):
