@@ -229,3 +229,16 @@ def test_samples_do_not_depend_on_how_prompts_are_split():
         assert torch.equal(torch.cat([rows(h, p.index, 8) for h in halves]), want)
     other_step = phases.generate(node, TASK, problems, slots=(0, 4), cfg=cfg, step=4)
     assert not torch.equal(rows(other_step, 0, 8), rows(together, 0, 8))
+
+
+def test_nan_logits_while_sampling_never_reach_the_weights():
+    node = _node("f-tis")
+    hook = node.model.lm_head.register_forward_hook(lambda mod, inp, out: out * float("nan"))
+    batch = _batch(node)  # sampling itself must not raise
+    hook.remove()
+    assert torch.isnan(batch.sampler_logprobs[batch.mask]).all()
+    before = [p.detach().clone() for p in node.model.parameters()]
+    adv = torch.linspace(-1, 1, batch.num_sequences)
+    with pytest.raises(phases.NonFiniteError):
+        phases.update(node, TASK, batch, adv, loss_cfg=node.cfg.loss, micro_batch_size=0)
+    assert all(torch.equal(a, b) for a, b in zip(before, node.model.parameters()))
