@@ -1,6 +1,6 @@
 """`ftis bench`: every benchmark side by side in one run; writes docs/BENCHMARKS.md.
 
-    ftis bench                 # full suite (~10-15 min on 2 cores), rewrites docs/BENCHMARKS.md
+    ftis bench                 # full suite (~4 min on 2 cores), rewrites docs/BENCHMARKS.md
     ftis bench --quick --json  # a short version; prints the summary as one JSON object
 """
 
