@@ -146,3 +146,10 @@ def sample(
         )
     finally:
         model.train(was_training)
+
+
+def decode_completions(tokenizer, completion_ids: torch.Tensor, lengths: torch.Tensor) -> list[str]:
+    """Text of each completion's real tokens (special tokens such as EOS removed): what a
+    verifier reads. completion_ids (N, T) right-padded, lengths (N,)."""
+    ids = [row[:n].tolist() for row, n in zip(completion_ids, lengths.tolist())]
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)

@@ -6,7 +6,7 @@ import torch
 
 from ftis.config import EvalConfig, TrainConfig
 from ftis.core.passk import pass_at_k
-from ftis.rollout.sampler import sample
+from ftis.rollout.sampler import decode_completions, sample
 from ftis.tasks.base import Task
 from ftis.train.node import Node
 
@@ -38,8 +38,7 @@ def _rewards(
             temperature=temperature,
             generator=generator,
         )
-        ids = [row[:n].tolist() for row, n in zip(s.completion_ids, s.lengths.tolist())]
-        texts = tok.batch_decode(ids, skip_special_tokens=True)
+        texts = decode_completions(tok, s.completion_ids, s.lengths)
         out += [task.reward(chunk[j // num_samples], t) for j, t in enumerate(texts)]
     return torch.tensor(out, dtype=torch.float32).view(len(problems), num_samples)
 

@@ -17,7 +17,7 @@ from ftis.config import LossConfig, TrainConfig
 from ftis.core.advantages import flat_group_advantages
 from ftis.core.losses import policy_loss
 from ftis.models.logprobs import shared_prompt_completion_logprobs
-from ftis.rollout.sampler import left_pad, sample
+from ftis.rollout.sampler import decode_completions, left_pad, sample
 from ftis.rollout.types import RolloutBatch
 from ftis.tasks.base import Problem, Task
 from ftis.train.node import Node
@@ -56,7 +56,9 @@ def sample_slots(*, rank: int, world_size: int, scheme: str, group_size: int) ->
     return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
 
 
-def group_noise(seed: int, step: int, prompt_index: int, group_size: int, length: int) -> torch.Tensor:
+def group_noise(
+    seed: int, step: int, prompt_index: int, group_size: int, length: int
+) -> torch.Tensor:
     """(G, length) uniforms that drive the sampling of one prompt's group at one step.
 
     Keyed by (seed, step, prompt) only, so a completion slot gets the same randomness whichever
@@ -84,10 +86,14 @@ def generate(
     if not problems or num_samples == 0:
         return empty_batch(tok.pad_token_id)
     prompts = [task.prompt_ids(p, tok) for p in problems]
-    noise = torch.cat([
-        group_noise(cfg.seed, step, p.index, cfg.group_size, cfg.max_new_tokens)[first : first + num_samples]
-        for p in problems
-    ])
+    noise = torch.cat(
+        [
+            group_noise(cfg.seed, step, p.index, cfg.group_size, cfg.max_new_tokens)[
+                first : first + num_samples
+            ]
+            for p in problems
+        ]
+    )
     out = sample(
         node.model,
         prompts,
@@ -119,15 +125,10 @@ def empty_batch(pad_id: int) -> RolloutBatch:
     )
 
 
-def decode_completions(tokenizer, batch: RolloutBatch) -> list[str]:
-    ids = [row[:n].tolist() for row, n in zip(batch.completion_ids, batch.lengths.tolist())]
-    return tokenizer.batch_decode(ids, skip_special_tokens=True)
-
-
 def score(task: Task, tokenizer, batch: RolloutBatch) -> torch.Tensor:
     """(N,) rewards recomputed by this node's own verifier; a peer's claim is never used."""
     train = task.split("train")
-    texts = decode_completions(tokenizer, batch)
+    texts = decode_completions(tokenizer, batch.completion_ids, batch.lengths)
     rewards = [task.reward(train[i], text) for i, text in zip(batch.prompt_index.tolist(), texts)]
     return torch.tensor(rewards, dtype=torch.float32)
 
