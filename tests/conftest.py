@@ -36,3 +36,27 @@ def tiny_run_config(**train) -> dict:
         "eval": {"every": 2, "size": 16, "pass_samples": 4, "pass_k": [1, 2], "pass_problems": 8},
         "log": {"progress": False},
     }
+
+
+def tiny_node(method: str = "f-tis", *, lr: float | None = None, lora=None):
+    """A llama-xs node (random init, char tokenizer) built in-process, for phase-level tests."""
+    from ftis.config import LossConfig, NodeConfig, OptimConfig
+    from ftis.models.loading import ModelConfig, build_model
+    from ftis.models.tokenizer import char_tokenizer
+    from ftis.train.node import Node, build_optimizer
+
+    optim = OptimConfig() if lr is None else OptimConfig(lr=lr)
+    cfg = NodeConfig(
+        name="n",
+        model=ModelConfig(preset="llama-xs", lora=lora),
+        optim=optim,
+        loss=LossConfig(method=method),
+    )
+    model = build_model(cfg.model)
+    return Node(
+        cfg=cfg,
+        rank=0,
+        model=model,
+        tokenizer=char_tokenizer(),
+        optimizer=build_optimizer(model, cfg.optim),
+    )

@@ -15,12 +15,10 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from ftis.cli import app
-from ftis.config import LossConfig, NodeConfig, RunConfig
+from ftis.config import RunConfig
 from ftis.core.losses import policy_loss
 from ftis.exchange import PayloadError, decode_rollouts, encode_rollouts
 from ftis.exchange.base import LocalExchange
-from ftis.models.loading import ModelConfig, build_model
-from ftis.models.tokenizer import char_tokenizer
 from ftis.rollout.types import RolloutBatch
 from ftis.tasks import ArithmeticTaskConfig, build_task
 from ftis.train import checkpoint as ckpt_mod
@@ -28,8 +26,8 @@ from ftis.train import phases
 from ftis.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ftis.train.loop import train_node
 from ftis.train.metrics import truncate_rows
-from ftis.train.node import Node, build_optimizer
-from tests.conftest import tiny_run_config
+from ftis.train.node import Node
+from tests.conftest import tiny_node, tiny_run_config
 
 runner = CliRunner()
 TASK = build_task(ArithmeticTaskConfig(ops={"+": 1.0}))
@@ -37,17 +35,7 @@ VOLATILE = ("time/", "train/step_seconds", "train/elapsed_seconds", "exchange/",
 
 
 def _node(method="f-tis", lora=None) -> Node:
-    cfg = NodeConfig(
-        name="n", model=ModelConfig(preset="llama-xs", lora=lora), loss=LossConfig(method=method)
-    )
-    model = build_model(cfg.model)
-    return Node(
-        cfg=cfg,
-        rank=0,
-        model=model,
-        tokenizer=char_tokenizer(),
-        optimizer=build_optimizer(model, cfg.optim),
-    )
+    return tiny_node(method, lora=lora)
 
 
 def _batch(node: Node, n_prompts=4, g=4, step=1) -> RolloutBatch:

@@ -3,33 +3,19 @@ import copy
 import pytest
 import torch
 
-from ftis.config import LossConfig, NodeConfig, OptimConfig
 from ftis.models.loading import ModelConfig, build_model
-from ftis.models.tokenizer import char_tokenizer
 from ftis.rollout.types import RolloutBatch
 from ftis.tasks import ArithmeticTaskConfig, build_task
 from ftis.train import phases
-from ftis.train.node import Node, build_optimizer
+from ftis.train.node import Node
 from ftis.warmstart import WarmStartConfig, cache_key, warm_start
+from tests.conftest import tiny_node
 
 TASK = build_task(ArithmeticTaskConfig(ops={"+": 1.0}))
 
 
 def _node(method="f-tis", lr=1e-3) -> Node:
-    cfg = NodeConfig(
-        name="n",
-        model=ModelConfig(preset="llama-xs"),
-        optim=OptimConfig(lr=lr),
-        loss=LossConfig(method=method),
-    )
-    model = build_model(cfg.model)
-    return Node(
-        cfg=cfg,
-        rank=0,
-        model=model,
-        tokenizer=char_tokenizer(),
-        optimizer=build_optimizer(model, cfg.optim),
-    )
+    return tiny_node(method, lr=lr)
 
 
 def _batch(node: Node, n_prompts=3, g=4) -> RolloutBatch:
@@ -175,8 +161,9 @@ def test_skipping_zero_advantage_sequences_is_exact(method):
             step()
 
         n.optimizer.step = capture
-        m = phases.update(n, TASK, batch, adv, loss_cfg=n.cfg.loss, micro_batch_size=5,
-                          skip_zero_advantage=skip)
+        m = phases.update(
+            n, TASK, batch, adv, loss_cfg=n.cfg.loss, micro_batch_size=5, skip_zero_advantage=skip
+        )
         return grads["g"], m
 
     # Gradients, not weights: Adam's first step is lr * sign(g), which turns fp noise on a
@@ -193,12 +180,22 @@ def test_all_zero_advantages_still_step_adam_like_a_zero_gradient():
     node = _node("f-tis")
     batch = _batch(node)
     # Give Adam momentum first, so a zero-gradient step still moves the weights.
-    phases.update(node, TASK, batch, torch.linspace(-1, 1, batch.num_sequences),
-                  loss_cfg=node.cfg.loss, micro_batch_size=0)
+    phases.update(
+        node,
+        TASK,
+        batch,
+        torch.linspace(-1, 1, batch.num_sequences),
+        loss_cfg=node.cfg.loss,
+        micro_batch_size=0,
+    )
     zeros = torch.zeros(batch.num_sequences)
     a, b = copy.deepcopy(node), copy.deepcopy(node)
-    phases.update(a, TASK, batch, zeros, loss_cfg=a.cfg.loss, micro_batch_size=0, skip_zero_advantage=False)
-    phases.update(b, TASK, batch, zeros, loss_cfg=b.cfg.loss, micro_batch_size=0, skip_zero_advantage=True)
+    phases.update(
+        a, TASK, batch, zeros, loss_cfg=a.cfg.loss, micro_batch_size=0, skip_zero_advantage=False
+    )
+    phases.update(
+        b, TASK, batch, zeros, loss_cfg=b.cfg.loss, micro_batch_size=0, skip_zero_advantage=True
+    )
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
         torch.testing.assert_close(pa, pb, atol=1e-7, rtol=0)
 
@@ -211,8 +208,7 @@ def test_samples_do_not_depend_on_how_prompts_are_split():
     cfg = _train_cfg(4)
     together = phases.generate(node, TASK, problems, slots=(0, 4), cfg=cfg, step=3)
     parts = [
-        phases.generate(node, TASK, problems[r::2], slots=(0, 4), cfg=cfg, step=3)
-        for r in range(2)
+        phases.generate(node, TASK, problems[r::2], slots=(0, 4), cfg=cfg, step=3) for r in range(2)
     ]
     # Horizontal: two nodes sampling slots 0-1 and 2-3 of every group.
     halves = [
