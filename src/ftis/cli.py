@@ -34,6 +34,11 @@ def _setup_logging(verbose: bool) -> None:
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
+    # transformers' own tqdm bars ("Loading weights", "Writing model shards") would
+    # interleave with ftis's progress display.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def _fail(msg: str, code: int = 2) -> None:

@@ -148,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("transformers", "peft", "torch", "httpx"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning)
+    # transformers' own tqdm bars ("Loading weights", "Writing model shards") would
+    # interleave with ftis's progress display.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     run_dir: Path = args.out
     run_dir.mkdir(parents=True, exist_ok=True)
     error_file = run_dir / "logs" / f"rank{rank}.error"
