@@ -133,7 +133,7 @@ def test_one_distributed_node_equals_the_single_node_trainer(tmp_path):
             "--standalone",
             "--nproc-per-node=1",
             "-m",
-            "ftis.worker",
+            "ftis.launch.worker",
             str(tmp_path / "local.yaml"),
             "--out",
             str(dist_out),
@@ -248,7 +248,7 @@ class _FakeMembership:
 
 def test_group_checks_name_what_differs():
     from ftis.config import RunConfig
-    from ftis.worker import GroupMismatchError, check_group, shared_settings_digest
+    from ftis.launch.worker import GroupMismatchError, check_group, shared_settings_digest
 
     data = tiny_run_config()
     data["nodes"] = _nodes(("a", {"preset": "llama-xs"}), ("b", {"preset": "llama-xs"}))
@@ -264,7 +264,7 @@ def test_group_checks_name_what_differs():
 
 
 def test_worker_errors_are_clean(tmp_path, monkeypatch):
-    from ftis.worker import main
+    from ftis.launch.worker import main
 
     data = tiny_run_config()
     data["nodes"] = _nodes(("a", {"preset": "llama-xs"}), ("b", {"preset": "llama-xs"}))

@@ -117,7 +117,7 @@ def run(
     )
 
     from ftis.launch import run_local
-    from ftis.launch_multi import LaunchError, NodesLostError
+    from ftis.launch.multi import LaunchError, NodesLostError
     from ftis.train.loop import SimulatedCrash
 
     try:

@@ -1,5 +1,5 @@
 """Start a run's nodes. One node runs in this process; several nodes run as one process each
-(ftis.launch_multi, ftis.worker)."""
+(ftis.launch.multi, ftis.launch.worker)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ftis.config import RunConfig
 from ftis.exchange.base import LocalExchange
-from ftis.launch_multi import MultiResult
+from ftis.launch.multi import MultiResult
 from ftis.train.checkpoint import checkpoint_step
 from ftis.train.loop import train_node
 from ftis.train.metrics import truncate_rows
@@ -49,12 +49,12 @@ def run_local(
     cfg: RunConfig, run_dir: Path, *, console: Console | None = None, resume: bool = False
 ) -> MultiResult:
     """Run every node of `cfg` on this machine: in this process when there is one node, else
-    one process per node (ftis.launch_multi, ftis.worker). `resume` continues every node from
+    one process per node (ftis.launch.multi, ftis.launch.worker). `resume` continues every node from
     its newest checkpoint. Ctrl-C stops the nodes after a checkpoint, then raises
     KeyboardInterrupt. A node lost while the others finished raises NodesLostError (a
     LaunchError) after they wrote everything."""
     if len(cfg.nodes) != 1:
-        from ftis.launch_multi import run_multi
+        from ftis.launch.multi import run_multi
 
         return run_multi(cfg, run_dir, console=console, resume=resume)
     name = cfg.nodes[0].name

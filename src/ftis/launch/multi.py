@@ -1,4 +1,4 @@
-"""Launch a multi-node run on this machine: one process per node (`python -m ftis.worker`) with
+"""Launch a multi-node run on this machine: one process per node (`python -m ftis.launch.worker`) with
 torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), gloo-free: the
 nodes exchange samples through a TCP key-value store that this parent process hosts.
 
@@ -68,7 +68,14 @@ class MultiResult:
 
 
 def worker_command(run_dir: Path, *, resume: bool = False) -> list[str]:
-    cmd = [sys.executable, "-m", "ftis.worker", str(run_dir / "config.yaml"), "--out", str(run_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ftis.launch.worker",
+        str(run_dir / "config.yaml"),
+        "--out",
+        str(run_dir),
+    ]
     return cmd + (["--resume"] if resume else [])
 
 

@@ -2,7 +2,7 @@
 
     ftis run CONFIG                       # one machine: ftis starts the nodes and hosts the store
     torchrun --nnodes 2 --node-rank R --nproc-per-node 1 \\
-             --master-addr HOST --master-port 29500 -m ftis.worker CONFIG --out RUN_DIR
+             --master-addr HOST --master-port 29500 -m ftis.launch.worker CONFIG --out RUN_DIR
 
 RANK picks the node (`nodes[RANK]` in the config). Before any warm start, the group checks that
 every peer has the same tokenizer and the same shared settings (task, train, sharing), since
@@ -39,7 +39,7 @@ from ftis.train.checkpoint import CheckpointError, checkpoint_step
 from ftis.train.loop import StopFlag, train_node
 from ftis.train.metrics import truncate_rows
 
-log = logging.getLogger("ftis.worker")
+log = logging.getLogger("ftis.launch.worker")
 
 CRASH_EXIT_CODE = 17  # `crash_at_step`: the process exits hard, as if killed
 
@@ -130,7 +130,7 @@ def _hard_exit(step: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ftis.worker", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="ftis.launch.worker", description=__doc__.split("\n")[0])
     parser.add_argument("config", type=Path)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
