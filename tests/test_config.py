@@ -101,3 +101,17 @@ def test_resolved_config_round_trips(tmp_path):
     cfg = load_config()
     again = RunConfig.model_validate(yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json"))))
     assert again == cfg
+
+
+def test_config_import_skips_transformers_and_peft():
+    """Light tools (validation, studies, report) read configs; that must not pull in transformers."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ftis.config; "
+        "heavy = [m for m in ('transformers', 'peft') if m in sys.modules]; "
+        "assert not heavy, f'import ftis.config imported {heavy}'"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

@@ -19,33 +19,19 @@ import time
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 
 from ftis.models.loading import ModelConfig, build_model, load_tokenizer, save_model
 from ftis.models.logprobs import completion_logprobs
 from ftis.rollout.sampler import left_pad
 from ftis.tasks import build_task
 from ftis.tasks.base import Task
+from ftis.warmstart_config import WarmStartConfig
 
 log = logging.getLogger(__name__)
 
 # Bump when the warm-start procedure changes in a way that changes the weights.
 WARMSTART_VERSION = 1
-
-
-class WarmStartConfig(BaseModel):
-    """Supervised pre-training of a preset on the task's own train split (answers as targets)."""
-
-    model_config = ConfigDict(extra="forbid")
-    steps: int = Field(300, ge=1, description="Optimizer steps of supervised training.")
-    batch_size: int = Field(64, ge=1, description="Problems per step.")
-    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
-    mix: dict[str, float] | None = Field(
-        None,
-        description="Arithmetic only: operation weights for the warm-start data, e.g. "
-        "{'+': 1.0, '-': 0.1}; None = the task's own mix.",
-    )
-    seed: int = Field(0, description="Seed of data order and dropout.")
 
 
 def cache_root() -> Path:

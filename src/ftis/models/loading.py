@@ -1,14 +1,15 @@
-"""Build or load a node's model and tokenizer: a tiny preset, or any Hugging Face causal LM."""
+"""Build or load a node's model and tokenizer: a tiny preset, or any Hugging Face causal LM.
+
+The config classes live in ftis.models.config (no transformers import) and are re-exported here.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -16,7 +17,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from ftis.models.presets import PRESETS, preset_config
+from ftis.models.config import LoraConfig, ModelConfig
+from ftis.models.presets import preset_config
 from ftis.models.tokenizer import char_tokenizer
 
 log = logging.getLogger(__name__)
@@ -26,51 +28,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class ModelLoadError(ValueError):
     """A model or tokenizer could not be built or loaded; the message says why and what to do."""
-
-
-class LoraConfig(BaseModel):
-    """Low-rank adapters through peft; only the adapters train."""
-
-    model_config = ConfigDict(extra="forbid")
-    r: int = Field(8, ge=1, description="Adapter rank.")
-    alpha: float = Field(16.0, gt=0, description="Scaling numerator (scale = alpha / r).")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input.")
-    target_modules: str | list[str] = Field(
-        "all-linear", description="Modules to adapt: 'all-linear' or a list of module names."
-    )
-
-
-class ModelConfig(BaseModel):
-    """Which model a node trains. Exactly one of `preset` and `path`."""
-
-    model_config = ConfigDict(extra="forbid")
-    preset: str | None = Field(None, description=f"Tiny preset, one of: {', '.join(PRESETS)}.")
-    path: str | None = Field(
-        None, description="Local directory or Hugging Face Hub name of a causal LM."
-    )
-    lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of all weights.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Weight dtype. Log-probs are always computed in float32."
-    )
-    init_seed: int = Field(0, description="Seed of a preset's random initialisation.")
-    device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto",
-        description="Where the node's model lives: 'auto' = this process's GPU (cuda:LOCAL_RANK) "
-        "when CUDA is available, else the CPU.",
-    )
-
-    @model_validator(mode="after")
-    def _one_source(self) -> ModelConfig:
-        if (self.preset is None) == (self.path is None):
-            raise ValueError(
-                "give exactly one of model.preset (a tiny built-in model) and model.path "
-                "(a Hugging Face causal LM)"
-            )
-        if self.preset is not None and self.preset not in PRESETS:
-            raise ValueError(
-                f"unknown preset {self.preset!r}; choose one of: {', '.join(sorted(PRESETS))}"
-            )
-        return self
 
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:

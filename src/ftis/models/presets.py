@@ -2,15 +2,18 @@
 
 Sizes are chosen for a 2-core CPU: the embedded task trains them in seconds to minutes.
 Every preset shares the character tokenizer (ftis.models.tokenizer), so any two can collaborate.
+
+The table is plain data, importable without transformers (run configs validate against it);
+only `preset_config` imports transformers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
-
-from ftis.models.tokenizer import char_tokenizer
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,10 @@ def preset_config(name: str) -> PretrainedConfig:
     """The transformers config of a named preset, with the character tokenizer's special ids."""
     if name not in PRESETS:
         raise KeyError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+    from transformers import LlamaConfig, Qwen2Config
+
+    from ftis.models.tokenizer import char_tokenizer
+
     p = PRESETS[name]
     tok = char_tokenizer()
     common = dict(

@@ -1,0 +1,23 @@
+"""The warm-start config class only, importable without transformers (``ftis.config`` embeds it).
+
+``ftis.warmstart`` runs the warm start and re-exports this class.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class WarmStartConfig(BaseModel):
+    """Supervised pre-training of a preset on the task's own train split (answers as targets)."""
+
+    model_config = ConfigDict(extra="forbid")
+    steps: int = Field(300, ge=1, description="Optimizer steps of supervised training.")
+    batch_size: int = Field(64, ge=1, description="Problems per step.")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    mix: dict[str, float] | None = Field(
+        None,
+        description="Arithmetic only: operation weights for the warm-start data, e.g. "
+        "{'+': 1.0, '-': 0.1}; None = the task's own mix.",
+    )
+    seed: int = Field(0, description="Seed of data order and dropout.")
