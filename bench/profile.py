@@ -14,9 +14,23 @@ def run(quick: bool) -> dict[str, float]:
     steps = 10 if quick else 60
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "default"
-        subprocess.run([sys.executable, "-m", "ftis.cli", "run", "--out", str(out),
-                        "--set", "log.progress=false", "--set", f"train.steps={steps}"],
-                       check=True, capture_output=True, timeout=1800)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ftis.cli",
+                "run",
+                "--out",
+                str(out),
+                "--set",
+                "log.progress=false",
+                "--set",
+                f"train.steps={steps}",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=1800,
+        )
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     result: dict[str, float] = {"profile_steps": float(steps)}
     for node in sorted({r["node"] for r in rows}):

@@ -27,12 +27,25 @@ def _prompts(tok, n: int) -> list[list[int]]:
 @torch.no_grad()
 def hf_generate_then_score(model, prompts, *, group: int, length: int, pad_id: int) -> torch.Tensor:
     ids, mask = left_pad([p for p in prompts for _ in range(group)], pad_id)
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
-                         top_k=0, top_p=1.0, max_new_tokens=length, min_new_tokens=length,
-                         pad_token_id=pad_id)
-    comp = out[:, ids.shape[1]:]
-    return completion_logprobs(model, prompt_ids=ids, prompt_mask=mask, completion_ids=comp,
-                               completion_mask=torch.ones_like(comp))
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=length,
+        min_new_tokens=length,
+        pad_token_id=pad_id,
+    )
+    comp = out[:, ids.shape[1] :]
+    return completion_logprobs(
+        model,
+        prompt_ids=ids,
+        prompt_mask=mask,
+        completion_ids=comp,
+        completion_mask=torch.ones_like(comp),
+    )
 
 
 def run(quick: bool, model_path: str) -> dict[str, float]:
@@ -41,17 +54,26 @@ def run(quick: bool, model_path: str) -> dict[str, float]:
     model.eval()
     group, n_prompts = 8, 16
     results = {}
-    for length in ((16,) if quick else (16, 64)):
+    for length in (16,) if quick else (16, 64):
         prompts = _prompts(tok, n_prompts)
         reps = 3 if quick else 7
         ours, theirs = [], []
         gen = torch.Generator().manual_seed(0)
         for r in range(reps + 1):
             t0 = time.perf_counter()
-            sample(model, prompts, num_samples=group, max_new_tokens=length, eos_id=-1,
-                   pad_id=tok.pad_token_id, generator=gen)
+            sample(
+                model,
+                prompts,
+                num_samples=group,
+                max_new_tokens=length,
+                eos_id=-1,
+                pad_id=tok.pad_token_id,
+                generator=gen,
+            )
             t1 = time.perf_counter()
-            hf_generate_then_score(model, prompts, group=group, length=length, pad_id=tok.pad_token_id)
+            hf_generate_then_score(
+                model, prompts, group=group, length=length, pad_id=tok.pad_token_id
+            )
             t2 = time.perf_counter()
             if r:  # the first round warms up both
                 ours.append(t1 - t0)

@@ -1,7 +1,7 @@
 """`ftis bench`: every benchmark side by side in one run; writes docs/BENCHMARKS.md.
 
-    ftis bench                 # full suite (~4 min on 2 cores), rewrites docs/BENCHMARKS.md
-    ftis bench --quick --json  # a short version; prints the summary as one JSON object
+ftis bench                 # full suite (~4 min on 2 cores), rewrites docs/BENCHMARKS.md
+ftis bench --quick --json  # a short version; prints the summary as one JSON object
 """
 
 from __future__ import annotations
@@ -24,14 +24,20 @@ def run_all(quick: bool) -> dict:
     t0 = time.perf_counter()
     preset, path = bench_model(quick)
     results: dict = {"quick": quick, "model": preset, "env": environment()}
-    for name, fn in (("trl", lambda: trl_step.run(quick, path)),
-                     ("rollout", lambda: rollout.run(quick, path)),
-                     ("wire", lambda: wire.run(quick, path)),
-                     ("scaling", lambda: scaling.run(quick)),
-                     ("profile", lambda: profile.run(quick))):
+    for name, fn in (
+        ("trl", lambda: trl_step.run(quick, path)),
+        ("rollout", lambda: rollout.run(quick, path)),
+        ("wire", lambda: wire.run(quick, path)),
+        ("scaling", lambda: scaling.run(quick)),
+        ("profile", lambda: profile.run(quick)),
+    ):
         results[name] = fn()
-    results["summary"] = {k: v for part in ("trl", "rollout", "wire") for k, v in results[part].items()
-                          if k in SUMMARY_KEYS}
+    results["summary"] = {
+        k: v
+        for part in ("trl", "rollout", "wire")
+        for k, v in results[part].items()
+        if k in SUMMARY_KEYS
+    }
     results["seconds"] = time.perf_counter() - t0
     return results
 
@@ -81,69 +87,118 @@ def markdown(r: dict) -> str:
             f"{_f(t['ftis_step_s_no_zero_adv_skip'])} s, ratio "
             f"{_f(t['trl_step_time_ratio_no_zero_adv_skip'])}.",
         ]
-    lines += ["", "## b. Rollout cost", "",
-              "128 sequences (16 prompts x 8), temperature 1, every completion forced to the full "
-              "length (EOS suppressed on both sides). ftis records log-probs while sampling with a "
-              "KV cache; the baseline is HF `generate` followed by a forward pass to score the "
-              "completions (the authors' code). Module: `bench/rollout.py`.", "",
-              "| completion length | ftis (s) | generate + score (s) | ratio |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "## b. Rollout cost",
+        "",
+        "128 sequences (16 prompts x 8), temperature 1, every completion forced to the full "
+        "length (EOS suppressed on both sides). ftis records log-probs while sampling with a "
+        "KV cache; the baseline is HF `generate` followed by a forward pass to score the "
+        "completions (the authors' code). Module: `bench/rollout.py`.",
+        "",
+        "| completion length | ftis (s) | generate + score (s) | ratio |",
+        "|---|---|---|---|",
+    ]
     for length in (16, 64):
         if f"rollout_ftis_s_len{length}" in ro:
-            lines.append(f"| {length} | {_f(ro[f'rollout_ftis_s_len{length}'])} | "
-                         f"{_f(ro[f'rollout_hf_s_len{length}'])} | **{_f(ro[f'rollout_time_ratio_len{length}'])}** |")
-    lines += ["", "## c. Wire cost per completion token", "",
-              "`embedded`: a real step's batch of the embedded task (128 completions of about 3 "
-              f"tokens, {int(w['wire_embedded_tokens'])} tokens); `long`: a GSM8K-like batch "
-              f"(64 completions of about 200 tokens, Qwen vocabulary of 151,936, {int(w['wire_long_tokens'])} "
-              "tokens; synthetic values). All-in: headers, per-sequence fields, checksum. "
-              "`authors` is the layout of the F-TIS authors' code (int64 ids and attention mask "
-              "over padded prompt + completion, fp32 log-probs over the padded completion). "
-              "Module: `bench/wire.py`; format: docs/wire-format.md.", "",
-              "| layout | embedded B/token | long B/token | log-prob error |", "|---|---|---|---|",
-              "| int32 ids + fp32 log-probs | 8.00 | 8.00 | exact |",
-              f"| authors' code | {_f(w['wire_embedded_authors_bpt'], 2)} | {_f(w['wire_long_authors_bpt'], 2)} | exact |",
-              f"| ftis `f32` (default) | {_f(w['wire_embedded_f32_bpt'], 2)} | {_f(w['wire_long_f32_bpt'], 2)} | exact |",
-              f"| ftis `compact` | {_f(w['wire_embedded_compact_bpt'], 2)} | {_f(w['wire_long_compact_bpt'], 2)} | <= 2.4e-4 nats (q16); <= 2.0e-3 (q13, Qwen vocab) |",
-              f"| ftis `compact` + zlib | {_f(w['wire_embedded_compact_zlib_bpt'], 2)} | {_f(w['wire_long_compact_zlib_bpt'], 2)} | as compact |",
-              "", "Codec throughput (tokens per second, one thread):", "",
-              "| format | embedded encode | embedded decode | long encode | long decode |", "|---|---|---|---|---|"]
+            lines.append(
+                f"| {length} | {_f(ro[f'rollout_ftis_s_len{length}'])} | "
+                f"{_f(ro[f'rollout_hf_s_len{length}'])} | **{_f(ro[f'rollout_time_ratio_len{length}'])}** |"
+            )
+    lines += [
+        "",
+        "## c. Wire cost per completion token",
+        "",
+        "`embedded`: a real step's batch of the embedded task (128 completions of about 3 "
+        f"tokens, {int(w['wire_embedded_tokens'])} tokens); `long`: a GSM8K-like batch "
+        f"(64 completions of about 200 tokens, Qwen vocabulary of 151,936, {int(w['wire_long_tokens'])} "
+        "tokens; synthetic values). All-in: headers, per-sequence fields, checksum. "
+        "`authors` is the layout of the F-TIS authors' code (int64 ids and attention mask "
+        "over padded prompt + completion, fp32 log-probs over the padded completion). "
+        "Module: `bench/wire.py`; format: docs/wire-format.md.",
+        "",
+        "| layout | embedded B/token | long B/token | log-prob error |",
+        "|---|---|---|---|",
+        "| int32 ids + fp32 log-probs | 8.00 | 8.00 | exact |",
+        f"| authors' code | {_f(w['wire_embedded_authors_bpt'], 2)} | {_f(w['wire_long_authors_bpt'], 2)} | exact |",
+        f"| ftis `f32` (default) | {_f(w['wire_embedded_f32_bpt'], 2)} | {_f(w['wire_long_f32_bpt'], 2)} | exact |",
+        f"| ftis `compact` | {_f(w['wire_embedded_compact_bpt'], 2)} | {_f(w['wire_long_compact_bpt'], 2)} | <= 2.4e-4 nats (q16); <= 2.0e-3 (q13, Qwen vocab) |",
+        f"| ftis `compact` + zlib | {_f(w['wire_embedded_compact_zlib_bpt'], 2)} | {_f(w['wire_long_compact_zlib_bpt'], 2)} | as compact |",
+        "",
+        "Codec throughput (tokens per second, one thread):",
+        "",
+        "| format | embedded encode | embedded decode | long encode | long decode |",
+        "|---|---|---|---|---|",
+    ]
     for fmt in ("f32", "compact", "compact_zlib"):
-        lines.append(f"| {fmt} | {w[f'wire_embedded_{fmt}_encode_tok_per_s']:.3g} | {w[f'wire_embedded_{fmt}_decode_tok_per_s']:.3g} | "
-                     f"{w[f'wire_long_{fmt}_encode_tok_per_s']:.3g} | {w[f'wire_long_{fmt}_decode_tok_per_s']:.3g} |")
-    lines += ["", "## d. Scaling on one machine", "",
-              "`ftis run` with 1, 2 and 4 `llama-s` nodes, 8 prompts x 8 completions per node per "
-              "step, vertical sharing (each node trains on every node's groups, so a step's "
-              "training work grows with the node count). Every node process gets the bench's thread "
-              "count, so more nodes than cores share them. Exchange = encode + store round trip + "
-              "decode; the round trip includes waiting for the slowest peer. "
-              "Module: `bench/scaling.py`.", "",
-              "| nodes | step (s) | exchange share | of which encode+decode | round trip incl. waiting | peak RSS per node (MiB) |",
-              "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {fmt} | {w[f'wire_embedded_{fmt}_encode_tok_per_s']:.3g} | {w[f'wire_embedded_{fmt}_decode_tok_per_s']:.3g} | "
+            f"{w[f'wire_long_{fmt}_encode_tok_per_s']:.3g} | {w[f'wire_long_{fmt}_decode_tok_per_s']:.3g} |"
+        )
+    lines += [
+        "",
+        "## d. Scaling on one machine",
+        "",
+        "`ftis run` with 1, 2 and 4 `llama-s` nodes, 8 prompts x 8 completions per node per "
+        "step, vertical sharing (each node trains on every node's groups, so a step's "
+        "training work grows with the node count). Every node process gets the bench's thread "
+        "count, so more nodes than cores share them. Exchange = encode + store round trip + "
+        "decode; the round trip includes waiting for the slowest peer. "
+        "Module: `bench/scaling.py`.",
+        "",
+        "| nodes | step (s) | exchange share | of which encode+decode | round trip incl. waiting | peak RSS per node (MiB) |",
+        "|---|---|---|---|---|---|",
+    ]
     for n in (1, 2, 4):
         if f"scaling_{n}_step_s" not in s:
             continue
         if n == 1:
-            lines.append(f"| 1 | {_f(s['scaling_1_step_s'])} | - | - | - | {s['scaling_1_peak_rss_mb']:.0f} |")
+            lines.append(
+                f"| 1 | {_f(s['scaling_1_step_s'])} | - | - | - | {s['scaling_1_peak_rss_mb']:.0f} |"
+            )
         else:
-            lines.append(f"| {n} | {_f(s[f'scaling_{n}_step_s'])} | {100 * s[f'scaling_{n}_exchange_share']:.1f}% | "
-                         f"{100 * s[f'scaling_{n}_codec_share']:.2f}% | {100 * s[f'scaling_{n}_comm_incl_wait_share']:.1f}% | "
-                         f"{s[f'scaling_{n}_peak_rss_mb']:.0f} |")
+            lines.append(
+                f"| {n} | {_f(s[f'scaling_{n}_step_s'])} | {100 * s[f'scaling_{n}_exchange_share']:.1f}% | "
+                f"{100 * s[f'scaling_{n}_codec_share']:.2f}% | {100 * s[f'scaling_{n}_comm_incl_wait_share']:.1f}% | "
+                f"{s[f'scaling_{n}_peak_rss_mb']:.0f} |"
+            )
     mem = {k: v for k, v in s.items() if k.startswith("memory_")}
     if mem:
-        lines += ["", "## e. Peak memory per node", "", "| run | node | peak RSS (MiB) |", "|---|---|---|"]
+        lines += [
+            "",
+            "## e. Peak memory per node",
+            "",
+            "| run | node | peak RSS (MiB) |",
+            "|---|---|---|",
+        ]
         for k, v in sorted(mem.items()):
             parts = k.split("_")
-            lines.append(f"| {parts[1]} | {parts[2] if parts[1] == 'default' else parts[1]} | {v:.0f} |")
+            lines.append(
+                f"| {parts[1]} | {parts[2] if parts[1] == 'default' else parts[1]} | {v:.0f} |"
+            )
     p = r.get("profile", {})
     nodes = sorted({k.split("_")[1] for k in p if k.endswith("_s") and k.count("_") >= 3})
     if nodes:
-        phases = sorted({k[len(f"profile_{n}_"):-2] for n in nodes for k in p if k.startswith(f"profile_{n}_")},
-                        key=lambda ph: -sum(p.get(f"profile_{n}_{ph}_s", 0.0) for n in nodes))
-        lines += ["", "## f. Where the default run's time goes", "",
-                  f"`ftis run` (the embedded default, warm-start cache warm), {int(p['profile_steps'])} "
-                  "steps; seconds per node and phase over the run, from `time/*` in metrics.jsonl "
-                  "(`exchange` includes waiting for the slower peer). Module: `bench/profile.py`.", "",
-                  "| phase | " + " | ".join(nodes) + " |", "|---|" + "---|" * len(nodes)]
+        phases = sorted(
+            {
+                k[len(f"profile_{n}_") : -2]
+                for n in nodes
+                for k in p
+                if k.startswith(f"profile_{n}_")
+            },
+            key=lambda ph: -sum(p.get(f"profile_{n}_{ph}_s", 0.0) for n in nodes),
+        )
+        lines += [
+            "",
+            "## f. Where the default run's time goes",
+            "",
+            f"`ftis run` (the embedded default, warm-start cache warm), {int(p['profile_steps'])} "
+            "steps; seconds per node and phase over the run, from `time/*` in metrics.jsonl "
+            "(`exchange` includes waiting for the slower peer). Module: `bench/profile.py`.",
+            "",
+            "| phase | " + " | ".join(nodes) + " |",
+            "|---|" + "---|" * len(nodes),
+        ]
         for ph in phases:
             cells = []
             for n in nodes:
@@ -151,24 +206,31 @@ def markdown(r: dict) -> str:
                 v = p.get(f"profile_{n}_{ph}_s", 0.0)
                 cells.append(f"{v:.2f} ({100 * v / tot:.0f}%)")
             lines.append(f"| {ph} | " + " | ".join(cells) + " |")
-        lines += ["", "Hot spots removed so far. Measured side by side on one machine, the default "
-                  "run at commit 9edc34c (before) and after these changes, 60 steps: the `update` "
-                  "phase went from 9.48 s to 3.63 s on the large node and from 5.26 s to 2.33 s on "
-                  "the small one (sampling unchanged, 2.1 and 1.5 s):", "",
-                  "- the update runs each prompt once per micro-batch and shares its KV cache across "
-                  "its G completions, instead of re-encoding the prompt G times "
-                  "(`shared_prompt_completion_logprobs`; same log-probs and gradients, tested);",
-                  "- sequences whose advantage is exactly 0 (groups with all-equal rewards) are not "
-                  "run through the model at all: their gradient is exactly 0 (tested);",
-                  "- each micro-batch is trimmed to its longest completion, and the sampler stops "
-                  "as soon as every row has emitted EOS.", ""]
+        lines += [
+            "",
+            "Hot spots removed so far. Measured side by side on one machine, the default "
+            "run at commit 9edc34c (before) and after these changes, 60 steps: the `update` "
+            "phase went from 9.48 s to 3.63 s on the large node and from 5.26 s to 2.33 s on "
+            "the small one (sampling unchanged, 2.1 and 1.5 s):",
+            "",
+            "- the update runs each prompt once per micro-batch and shares its KV cache across "
+            "its G completions, instead of re-encoding the prompt G times "
+            "(`shared_prompt_completion_logprobs`; same log-probs and gradients, tested);",
+            "- sequences whose advantage is exactly 0 (groups with all-equal rewards) are not "
+            "run through the model at all: their gradient is exactly 0 (tested);",
+            "- each micro-batch is trimmed to its longest completion, and the sampler stops "
+            "as soon as every row has emitted EOS.",
+            "",
+        ]
     lines += ["", "Raw numbers: [results/bench.json](results/bench.json).", ""]
     return "\n".join(lines)
 
 
 def flat_summary(results: dict) -> dict:
     """One flat JSON object: the summary keys first, then every figure."""
-    figures = {k: v for part in ("trl", "rollout", "wire", "scaling") for k, v in results[part].items()}
+    figures = {
+        k: v for part in ("trl", "rollout", "wire", "scaling") for k, v in results[part].items()
+    }
     return {**results["summary"], **figures}
 
 

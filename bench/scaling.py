@@ -29,9 +29,15 @@ def _config(nodes: int, preset: str, steps: int, prompts_per_node: int = 8) -> d
     return {
         "name": f"scale-{nodes}",
         "task": {"kind": "arithmetic", "ops": {"+": 1.0}},
-        "nodes": [{"name": f"n{i}", "model": {"preset": preset}, "warm_start": WARM} for i in range(nodes)],
-        "train": {"steps": steps, "prompts_per_step": prompts_per_node * nodes, "group_size": 8,
-                  "max_new_tokens": 8},
+        "nodes": [
+            {"name": f"n{i}", "model": {"preset": preset}, "warm_start": WARM} for i in range(nodes)
+        ],
+        "train": {
+            "steps": steps,
+            "prompts_per_step": prompts_per_node * nodes,
+            "group_size": 8,
+            "max_new_tokens": 8,
+        },
         "eval": {"every": 0, "size": 16, "pass_samples": 0},
         "log": {"progress": False},
     }
@@ -42,8 +48,13 @@ def _run(cfg: dict, workdir: Path) -> list[dict]:
     path.write_text(yaml.safe_dump(cfg))
     out = workdir / cfg["name"]
     env = {**os.environ}
-    subprocess.run([sys.executable, "-m", "ftis.cli", "run", str(path), "--out", str(out), "--overwrite"],
-                   check=True, capture_output=True, env=env, timeout=1200)
+    subprocess.run(
+        [sys.executable, "-m", "ftis.cli", "run", str(path), "--out", str(out), "--overwrite"],
+        check=True,
+        capture_output=True,
+        env=env,
+        timeout=1200,
+    )
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -52,12 +63,17 @@ def run(quick: bool) -> dict[str, float]:
     steps = 6 if quick else 20
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for n in ((1, 2) if quick else (1, 2, 4)):
+        for n in (1, 2) if quick else (1, 2, 4):
             rows = [r for r in _run(_config(n, "llama-s", steps), work) if r["step"] >= 2]
             step_s = median([r["train/step_seconds"] for r in rows])
             out[f"scaling_{n}_step_s"] = step_s
             if n > 1:
-                codec = median([r.get("exchange/encode_seconds", 0) + r.get("exchange/decode_seconds", 0) for r in rows])
+                codec = median(
+                    [
+                        r.get("exchange/encode_seconds", 0) + r.get("exchange/decode_seconds", 0)
+                        for r in rows
+                    ]
+                )
                 comm = median([r.get("exchange/comm_seconds", 0) for r in rows])
                 total = median([r["exchange/seconds"] for r in rows])
                 out[f"scaling_{n}_exchange_share"] = total / step_s
@@ -66,12 +82,19 @@ def run(quick: bool) -> dict[str, float]:
             out[f"scaling_{n}_peak_rss_mb"] = max(r["memory/peak_rss_mb"] for r in rows)
         if not quick:
             default = yaml.safe_load(DEFAULT_CONFIG.read_text())
-            default.update(name="default-mem", train={**default["train"], "steps": 5},
-                           eval={"every": 0, "size": 16, "pass_samples": 0}, log={"progress": False})
+            default.update(
+                name="default-mem",
+                train={**default["train"], "steps": 5},
+                eval={"every": 0, "size": 16, "pass_samples": 0},
+                log={"progress": False},
+            )
             rows = _run(default, work)
             for node in {r["node"] for r in rows}:
                 out[f"memory_default_{node}_peak_rss_mb"] = max(
-                    r["memory/peak_rss_mb"] for r in rows if r["node"] == node and r["step"] > 0)
+                    r["memory/peak_rss_mb"] for r in rows if r["node"] == node and r["step"] > 0
+                )
             rows = _run(_config(1, "llama-l", 5), work)
-            out["memory_llama-l_peak_rss_mb"] = max(r["memory/peak_rss_mb"] for r in rows if r["step"] > 0)
+            out["memory_llama-l_peak_rss_mb"] = max(
+                r["memory/peak_rss_mb"] for r in rows if r["step"] > 0
+            )
     return out

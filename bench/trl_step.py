@@ -12,44 +12,67 @@ import tempfile
 import time
 
 from bench.common import TASK, median
+from ftis.algos.ftis import sharing
 from ftis.config import LossConfig, NodeConfig, OptimConfig, TrainConfig
 from ftis.models.loading import ModelConfig, build_model, load_tokenizer
 from ftis.tasks import build_task
-from ftis.train import phases
+from ftis.train import sampling, scoring
+from ftis.train import update as update_mod
 from ftis.train.node import Node, build_optimizer
 
 LR = 1e-5
 
 
-def ftis_steps(model_path: str, *, prompts: int, group: int, length: int, steps: int,
-               warmup: int, skip_zero_advantage: bool = True) -> tuple[list[float], float]:
+def ftis_steps(
+    model_path: str,
+    *,
+    prompts: int,
+    group: int,
+    length: int,
+    steps: int,
+    warmup: int,
+    skip_zero_advantage: bool = True,
+) -> tuple[list[float], float]:
     """(seconds per step, mean completion length)."""
     task = build_task(TASK)
-    cfg = NodeConfig(name="bench", model=ModelConfig(path=model_path), optim=OptimConfig(lr=LR),
-                     loss=LossConfig(method="grpo"))
+    cfg = NodeConfig(
+        name="bench",
+        model=ModelConfig(path=model_path),
+        optim=OptimConfig(lr=LR),
+        loss=LossConfig(method="grpo"),
+    )
     model, tok = build_model(cfg.model), load_tokenizer(cfg.model)
-    node = Node(cfg=cfg, rank=0, model=model, tokenizer=tok,
-                optimizer=build_optimizer(model, cfg.optim))
+    node = Node(
+        cfg=cfg, rank=0, model=model, tokenizer=tok, optimizer=build_optimizer(model, cfg.optim)
+    )
     train = task.split("train")
     tc = TrainConfig(max_new_tokens=length, group_size=group, prompts_per_step=prompts)
     times, lengths = [], []
     for step in range(warmup + steps):
         t0 = time.perf_counter()
-        idx = phases.step_prompts(0, step + 1, prompts, len(train))
+        idx = sharing.step_prompts(0, step + 1, prompts, len(train))
         problems = [train[k] for k in idx]
-        batch = phases.generate(node, task, problems, slots=(0, group), cfg=tc, step=step + 1)
-        rewards = phases.score(task, tok, batch)
-        adv = phases.advantages_for(batch, rewards, "std")
-        phases.update(node, task, batch, adv, loss_cfg=cfg.loss, micro_batch_size=0,
-                      skip_zero_advantage=skip_zero_advantage)
+        batch = sampling.generate(node, task, problems, slots=(0, group), cfg=tc, step=step + 1)
+        rewards = scoring.score(task, tok, batch)
+        adv = scoring.advantages_for(batch, rewards, "std")
+        update_mod.update(
+            node,
+            task,
+            batch,
+            adv,
+            loss_cfg=cfg.loss,
+            micro_batch_size=0,
+            skip_zero_advantage=skip_zero_advantage,
+        )
         if step >= warmup:
             times.append(time.perf_counter() - t0)
             lengths.append(float(batch.lengths.float().mean()))
     return times, sum(lengths) / len(lengths)
 
 
-def trl_steps(model_path: str, *, prompts: int, group: int, length: int, steps: int,
-              warmup: int) -> tuple[list[float], float]:
+def trl_steps(
+    model_path: str, *, prompts: int, group: int, length: int, steps: int, warmup: int
+) -> tuple[list[float], float]:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -59,8 +82,10 @@ def trl_steps(model_path: str, *, prompts: int, group: int, length: int, steps: 
     model, tok = build_model(cfg), load_tokenizer(cfg)
     train = task.split("train")
     n_rows = prompts * (steps + warmup + 2)
-    rows = [{"prompt": tok.bos_token + train[i].question, "answer": train[i].answer}
-            for i in range(n_rows)]
+    rows = [
+        {"prompt": tok.bos_token + train[i].question, "answer": train[i].answer}
+        for i in range(n_rows)
+    ]
 
     def reward(completions, answer, **_):
         # The arithmetic task's verifier: exact match of the stripped completion.
@@ -82,19 +107,45 @@ def trl_steps(model_path: str, *, prompts: int, group: int, length: int, steps: 
 
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
-            output_dir=out, use_cpu=True, report_to="none", save_strategy="no",
-            logging_strategy="steps", logging_steps=1,
-            per_device_train_batch_size=prompts * group, num_generations=group,
-            gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
-            max_completion_length=length, temperature=1.0, top_k=0, top_p=1.0, beta=0.0,
-            loss_type="grpo", learning_rate=LR, max_grad_norm=1.0, optim="adamw_torch",
-            weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0,
-            max_steps=steps + warmup, bf16=False, fp16=False, disable_tqdm=True,
-            dataloader_num_workers=0, seed=0, shuffle_dataset=False,
+            output_dir=out,
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            logging_strategy="steps",
+            logging_steps=1,
+            per_device_train_batch_size=prompts * group,
+            num_generations=group,
+            gradient_accumulation_steps=1,
+            steps_per_generation=1,
+            num_iterations=1,
+            max_completion_length=length,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            beta=0.0,
+            loss_type="grpo",
+            learning_rate=LR,
+            max_grad_norm=1.0,
+            optim="adamw_torch",
+            weight_decay=0.0,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            max_steps=steps + warmup,
+            bf16=False,
+            fp16=False,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            seed=0,
+            shuffle_dataset=False,
         )
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args,
-                              train_dataset=Dataset.from_list(rows), processing_class=tok,
-                              callbacks=[Timer()])
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=args,
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tok,
+            callbacks=[Timer()],
+        )
         trainer.train()
     return times[warmup:], (sum(lengths[warmup:]) / max(len(lengths[warmup:]), 1))
 

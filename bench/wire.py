@@ -30,12 +30,23 @@ def embedded_batch(model_path: str) -> tuple[RolloutBatch, int, int]:
     task = build_task(TASK)
     train = task.split("train")
     prompts = [task.prompt_ids(train[i], tok) for i in range(16)]
-    s = sample(model, prompts, num_samples=8, max_new_tokens=8, eos_id=tok.eos_token_id,
-               pad_id=tok.pad_token_id, generator=torch.Generator().manual_seed(0))
+    s = sample(
+        model,
+        prompts,
+        num_samples=8,
+        max_new_tokens=8,
+        eos_id=tok.eos_token_id,
+        pad_id=tok.pad_token_id,
+        generator=torch.Generator().manual_seed(0),
+    )
     n = s.completion_ids.shape[0]
-    batch = RolloutBatch(prompt_index=torch.arange(16).repeat_interleave(8),
-                         generator=torch.zeros(n, dtype=torch.long), completion_ids=s.completion_ids,
-                         lengths=s.lengths, sampler_logprobs=s.logprobs)
+    batch = RolloutBatch(
+        prompt_index=torch.arange(16).repeat_interleave(8),
+        generator=torch.zeros(n, dtype=torch.long),
+        completion_ids=s.completion_ids,
+        lengths=s.lengths,
+        sampler_logprobs=s.logprobs,
+    )
     return batch, int(model.config.vocab_size), int(s.prompt_ids.shape[1])
 
 
@@ -48,9 +59,13 @@ def long_batch(n: int = 64, mean_len: int = 200, vocab: int = 151936, prompt_wid
     mask = torch.arange(t)[None] < lengths[:, None]
     lp = torch.where(mask, -torch.rand((n, t), generator=g).pow(4) * 6, torch.zeros(()))
     ids = torch.where(mask, ids, torch.zeros((), dtype=torch.long))
-    batch = RolloutBatch(prompt_index=torch.arange(n // 8).repeat_interleave(8),
-                         generator=torch.zeros(n, dtype=torch.long), completion_ids=ids,
-                         lengths=lengths, sampler_logprobs=lp)
+    batch = RolloutBatch(
+        prompt_index=torch.arange(n // 8).repeat_interleave(8),
+        generator=torch.zeros(n, dtype=torch.long),
+        completion_ids=ids,
+        lengths=lengths,
+        sampler_logprobs=lp,
+    )
     return batch, vocab, prompt_width
 
 
@@ -66,8 +81,12 @@ def _throughput(batch, vocab, fmt, compress, reps):
         t0 = time.perf_counter()
         data = encode_rollouts(batch, logprob_format=fmt, vocab_size=vocab, compress=compress)
         t1 = time.perf_counter()
-        decode_rollouts(data, vocab_size=vocab, max_tokens=batch.completion_ids.shape[1],
-                        max_sequences=batch.num_sequences)
+        decode_rollouts(
+            data,
+            vocab_size=vocab,
+            max_tokens=batch.completion_ids.shape[1],
+            max_sequences=batch.num_sequences,
+        )
         t2 = time.perf_counter()
         enc.append(t1 - t0)
         dec.append(t2 - t1)
@@ -76,7 +95,10 @@ def _throughput(batch, vocab, fmt, compress, reps):
 
 def run(quick: bool, model_path: str) -> dict[str, float]:
     out: dict[str, float] = {}
-    for name, (batch, vocab, pw) in {"embedded": embedded_batch(model_path), "long": long_batch()}.items():
+    for name, (batch, vocab, pw) in {
+        "embedded": embedded_batch(model_path),
+        "long": long_batch(),
+    }.items():
         tokens = batch.num_tokens
         out[f"wire_{name}_tokens"] = float(tokens)
         out[f"wire_{name}_naive_bpt"] = 8.0

@@ -37,7 +37,7 @@ def one_run(out: Path, *, adversary: str, method: str, seed: int, steps: int, sc
         f"name={run_dir.name}",
     ]
     if adversary != "none":
-        overrides.append(f"nodes.1.adversary={adversary}")
+        overrides.append(f"testing.adversary.large={adversary}")
     summary_file = run_dir / "summary.json"
     if summary_file.exists():
         return json.loads(summary_file.read_text())

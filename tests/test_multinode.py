@@ -107,8 +107,14 @@ def test_identical_models_with_vertical_sharing_equal_one_node_sampling_everythi
     single["nodes"] = _nodes(("p", {"preset": "llama-xs"}))
     res, out1 = _run(tmp_path, single, "single")
     assert res.exit_code == 0, res.output
-    keep = ("loss/loss", "loss/filtered_frac", "loss/is_weight_mean", "loss/active_frac",
-            "reward/mean", "eval/")
+    keep = (
+        "loss/loss",
+        "loss/filtered_frac",
+        "loss/is_weight_mean",
+        "loss/active_frac",
+        "reward/mean",
+        "eval/",
+    )
     pair, one = _rows(out), _rows(out1)
     for step in range(4):
         want = {k: v for k, v in one[step].items() if k.startswith(keep)}
@@ -162,7 +168,7 @@ def test_a_lost_node_does_not_stop_the_others_and_resumes_alone(tmp_path):
     data["nodes"] = _nodes(
         ("a", {"preset": "llama-xs"}), ("b", {"preset": "llama-xs"}), ("c", {"preset": "llama-xs"})
     )
-    data["nodes"][2]["crash_at_step"] = 2
+    data["testing"] = {"crash_at_step": {data["nodes"][2]["name"]: 2}}
     data["checkpoint"] = {"every": 1}
     data["exchange"] = {"timeout_s": 120}  # the launcher's mark, not the timeout, ends the wait
     res, out = _run(tmp_path, data)
@@ -182,7 +188,7 @@ def test_a_lost_node_does_not_stop_the_others_and_resumes_alone(tmp_path):
     assert "| a |" in report and "| b |" in report
     assert "lost peer 2 at step 2" in (out / "logs" / "a.log").read_text()
 
-    res = runner.invoke(app, ["run", "--resume", str(out), "--set", "nodes.2.crash_at_step=null"])
+    res = runner.invoke(app, ["run", "--resume", str(out), "--set", "testing.crash_at_step={}"])
     assert res.exit_code == 0, res.output
     rows = _rows(out)
     for n in "abc":
@@ -248,19 +254,28 @@ class _FakeMembership:
 
 def test_group_checks_name_what_differs():
     from ftis.config import RunConfig
-    from ftis.launch.worker import GroupMismatchError, check_group, shared_settings_digest
+    from ftis.exchange.group import GroupMismatchError, check_group
+    from ftis.launch.worker import shared_settings_digest
 
     data = tiny_run_config()
     data["nodes"] = _nodes(("a", {"preset": "llama-xs"}), ("b", {"preset": "llama-xs"}))
     cfg = RunConfig.model_validate(data)
     d = shared_settings_digest(cfg)
-    assert check_group(cfg, _FakeMembership([f"t:{d}:1", f"t:{d}:5"]), "t") == [1, 5]
-    with pytest.raises(GroupMismatchError, match="different task/train/sharing settings"):
-        check_group(cfg, _FakeMembership([f"t:{d}:1", "t:other:1"]), "t")
+
+    def check(values):
+        kw = {"names": cfg.rank_names, "fingerprint": "t", "settings_digest": d}
+        return check_group(_FakeMembership(values), **kw)
+
+    assert check([f"t:{d}:1", f"t:{d}:5"]) == [1, 5]
+    with pytest.raises(GroupMismatchError, match="different shared settings"):
+        check([f"t:{d}:1", "t:other:1"])
     with pytest.raises(GroupMismatchError, match="b use tokenizer u"):
-        check_group(cfg, _FakeMembership([f"t:{d}:1", f"u:{d}:1"]), "t")
+        check([f"t:{d}:1", f"u:{d}:1"])
     with pytest.raises(GroupMismatchError, match="different version of ftis"):
-        check_group(cfg, _FakeMembership([f"t:{d}:1", "garbage"]), "t")
+        check([f"t:{d}:1", "garbage"])
+    # the algorithm is a shared setting too
+    other = RunConfig.model_validate({**data, "sharing": {"scheme": "horizontal"}})
+    assert shared_settings_digest(other) != d
 
 
 def test_worker_errors_are_clean(tmp_path, monkeypatch):
@@ -276,7 +291,7 @@ def test_worker_errors_are_clean(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert main([str(cfg), "--out", str(tmp_path / "r")]) == 2
     err = (tmp_path / "r" / "logs" / "rank0.error").read_text()
-    assert "declares 2 nodes but 3 processes" in err
+    assert "declares 2 ranks (a, b) but 3 processes" in err
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main([str(cfg), "--out", str(tmp_path / "r")]) == 2
     err = (tmp_path / "r" / "logs" / "rank0.error").read_text()

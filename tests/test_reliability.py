@@ -14,15 +14,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from ftis.algos.ftis import adversary, sharing
 from ftis.cli import app
 from ftis.config import RunConfig
 from ftis.core.losses import policy_loss
 from ftis.exchange import PayloadError, decode_rollouts, encode_rollouts
-from ftis.exchange.base import LocalExchange
 from ftis.rollout.types import RolloutBatch
 from ftis.tasks import ArithmeticTaskConfig, build_task
 from ftis.train import checkpoint as ckpt_mod
-from ftis.train import phases
+from ftis.train import sampling, scoring
+from ftis.train import update as update_mod
 from ftis.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ftis.train.loop import train_node
 from ftis.train.metrics import truncate_rows
@@ -44,7 +45,7 @@ def _batch(node: Node, n_prompts=4, g=4, step=1) -> RolloutBatch:
     train = TASK.split("train")
     cfg = TrainConfig(max_new_tokens=5, group_size=g)
     problems = [train[i] for i in range(n_prompts)]
-    return phases.generate(node, TASK, problems, slots=(0, g), cfg=cfg, step=step)
+    return sampling.generate(node, TASK, problems, slots=(0, g), cfg=cfg, step=step)
 
 
 def _params(node):
@@ -56,7 +57,7 @@ def _params(node):
 
 def test_peer_prompt_checks():
     idx = [7, 3, 9, 4, 1]
-    quota = phases.peer_prompt_quota(idx, peer=1, world_size=2, scheme="vertical", group_size=4)
+    quota = sharing.peer_prompt_quota(idx, peer=1, world_size=2, scheme="vertical", group_size=4)
     assert quota == {3: 4, 4: 4}
     ok = RolloutBatch(
         prompt_index=torch.tensor([3, 3, 4]),
@@ -65,17 +66,17 @@ def test_peer_prompt_checks():
         lengths=torch.full((3,), 2),
         sampler_logprobs=torch.zeros(3, 2),
     )
-    assert phases.check_peer_batch(ok, quota, train_size=10) is None
+    assert sharing.check_peer_batch(ok, quota, train_size=10) is None
     other = ok.select(torch.tensor([0, 1, 2]))
     other.prompt_index = torch.tensor([3, 7, 4])  # prompt 7 is the other node's
-    assert "not assigned" in phases.check_peer_batch(other, quota, train_size=10)
+    assert "not assigned" in sharing.check_peer_batch(other, quota, train_size=10)
     flood = ok.select(torch.zeros(5, dtype=torch.long))  # 5 sequences for prompt 3, share is 4
-    assert "more than the peer's share" in phases.check_peer_batch(flood, quota, train_size=10)
+    assert "more than the peer's share" in sharing.check_peer_batch(flood, quota, train_size=10)
     outside = ok.select(torch.tensor([0]))
     outside.prompt_index = torch.tensor([12])
-    assert "outside the train split" in phases.check_peer_batch(outside, quota, train_size=10)
+    assert "outside the train split" in sharing.check_peer_batch(outside, quota, train_size=10)
     # horizontal: every prompt, at most this peer's share of G (3 of G = 8 for rank 2 of 3)
-    h = phases.peer_prompt_quota(idx, peer=2, world_size=3, scheme="horizontal", group_size=8)
+    h = sharing.peer_prompt_quota(idx, peer=2, world_size=3, scheme="horizontal", group_size=8)
     assert h == dict.fromkeys(idx, 2)
 
 
@@ -89,7 +90,7 @@ def test_prompt_check_accepts_exactly_the_assigned_prompts(idx, peer, scheme):
     """1,000 random prompt columns: accepted if and only if every index is one this peer was
     dealt at this step, at most its share of times."""
     step = [1, 5, 9, 13, 17, 21, 26]
-    quota = phases.peer_prompt_quota(step, peer=peer, world_size=3, scheme=scheme, group_size=4)
+    quota = sharing.peer_prompt_quota(step, peer=peer, world_size=3, scheme=scheme, group_size=4)
     n = len(idx)
     batch = RolloutBatch(
         prompt_index=torch.tensor(idx, dtype=torch.long),
@@ -99,7 +100,7 @@ def test_prompt_check_accepts_exactly_the_assigned_prompts(idx, peer, scheme):
         sampler_logprobs=torch.zeros(n, 1),
     )
     ok = all(i in quota and idx.count(i) <= quota[i] for i in idx)
-    assert (phases.check_peer_batch(batch, quota, train_size=27) is None) == ok
+    assert (sharing.check_peer_batch(batch, quota, train_size=27) is None) == ok
 
 
 # ---- adversarial but well-formed peers ---------------------------------------------------------
@@ -109,7 +110,7 @@ def test_prompt_check_accepts_exactly_the_assigned_prompts(idx, peer, scheme):
 def test_adversarial_batches_are_well_formed(kind):
     node = _node()
     honest = _batch(node)
-    bad = phases.adversarial(
+    bad = adversary.adversarial(
         honest, kind, vocab_size=len(node.tokenizer), generator=torch.Generator().manual_seed(0)
     )
     # They pass the wire and the prompt checks: only the loss can defend against them.
@@ -117,7 +118,7 @@ def test_adversarial_batches_are_well_formed(kind):
     back = decode_rollouts(data, vocab_size=len(node.tokenizer), max_tokens=5, pad_id=0)
     assert torch.equal(back.prompt_index, honest.prompt_index)
     quota = dict.fromkeys(honest.prompt_index.tolist(), 4)
-    assert phases.check_peer_batch(back, quota, train_size=len(TASK.split("train"))) is None
+    assert sharing.check_peer_batch(back, quota, train_size=len(TASK.split("train"))) is None
     m = honest.mask
     if kind == "zero-logprobs":
         assert (bad.sampler_logprobs[m] == 0).all() and (honest.sampler_logprobs[m] < 0).any()
@@ -172,8 +173,8 @@ def test_nan_sampler_logprobs_are_refused_by_the_wire_and_skipped_by_the_update(
     # A NaN that bypassed the wire (an in-process peer): the update is skipped, weights intact.
     before = _params(node)
     adv = torch.linspace(-1, 1, batch.num_sequences)
-    with pytest.raises(phases.NonFiniteError):
-        phases.update(node, TASK, batch, adv, loss_cfg=node.cfg.loss, micro_batch_size=0)
+    with pytest.raises(update_mod.NonFiniteError):
+        update_mod.update(node, TASK, batch, adv, loss_cfg=node.cfg.loss, micro_batch_size=0)
     assert all(torch.equal(a, b) for a, b in zip(before, node.model.parameters()))
 
 
@@ -210,9 +211,10 @@ def test_nan_logits_skip_the_update_and_are_counted(tmp_path, monkeypatch):
     captured = {}
     monkeypatch.setattr(loop, "build_node", build)
     # Run every sequence through the model, even in groups whose advantages are all 0.
-    real_update = phases.update
+    real_update = update_mod.update
     monkeypatch.setattr(
-        phases, "update", lambda *a, **k: real_update(*a, **k, skip_zero_advantage=False)
+        "ftis.algos.ftis.algorithm.update",
+        lambda *a, **k: real_update(*a, **k, skip_zero_advantage=False),
     )
 
     def progress(event, **info):
@@ -220,9 +222,7 @@ def test_nan_logits_skip_the_update_and_are_counted(tmp_path, monkeypatch):
             poisoned["on"] = info["step"] == 1  # on during step 2 only
 
     cfg = RunConfig.model_validate(tiny_run_config(steps=3))
-    train_node(
-        cfg, rank=0, exchange_factory=lambda n: LocalExchange(), run_dir=tmp_path, progress=progress
-    )
+    train_node(cfg, rank=0, run_dir=tmp_path, progress=progress)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     by = {r["step"]: r for r in rows}
     assert by[2]["train/skipped_update"] == 1 and by[2]["train/skipped_updates_total"] == 1
@@ -240,12 +240,12 @@ def test_a_nan_reward_counts_as_zero(tmp_path, monkeypatch):
         lambda self, p, c: float("nan") if p.index % 2 else real(self, p, c),
     )
     cfg = RunConfig.model_validate(tiny_run_config(steps=2))
-    train_node(cfg, rank=0, exchange_factory=lambda n: LocalExchange(), run_dir=tmp_path)
+    train_node(cfg, rank=0, run_dir=tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if r["step"] > 0]
     assert sum(r["reward/non_finite"] for r in trained) > 0
     assert all(r["train/skipped_update"] == 0 and r["reward/mean"] is not None for r in trained)
-    rewards, n = phases.finite_rewards(torch.tensor([1.0, float("nan"), float("inf"), 0.0]))
+    rewards, n = scoring.finite_rewards(torch.tensor([1.0, float("nan"), float("inf"), 0.0]))
     assert n == 2 and rewards.tolist() == [1.0, 0.0, 0.0, 0.0]
 
 
@@ -325,12 +325,14 @@ def test_crash_then_resume_reproduces_the_uninterrupted_run(tmp_path, lora):
     res = runner.invoke(app, ["run", _write(tmp_path, data, "full"), "--out", str(full)])
     assert res.exit_code == 0, res.output
 
-    data["nodes"][0]["crash_at_step"] = 4  # after step 3's row, before its checkpoint
+    data["testing"] = {
+        "crash_at_step": {data["nodes"][0]["name"]: 4}
+    }  # after step 3's row, before its checkpoint
     out = tmp_path / "crashed"
     res = runner.invoke(app, ["run", _write(tmp_path, data, "crash"), "--out", str(out)])
     assert res.exit_code == 1 and "ftis run --resume" in res.output, res.output
     assert [r["step"] for r in _rows(out)] == [0, 1, 2, 3]
-    res = runner.invoke(app, ["run", "--resume", str(out), "--set", "nodes.0.crash_at_step=null"])
+    res = runner.invoke(app, ["run", "--resume", str(out), "--set", "testing.crash_at_step={}"])
     assert res.exit_code == 0, res.output
     _assert_same_rows(_rows(full), _rows(out))  # step 3 redone, not duplicated; 3-4 identical
     assert (out / "report.md").exists()
@@ -354,7 +356,6 @@ def test_ctrl_c_writes_a_checkpoint_and_resume_reproduces_the_run(tmp_path):
     res = train_node(
         cfg,
         rank=0,
-        exchange_factory=lambda n: LocalExchange(),
         run_dir=out,
         progress=ctrl_c_after_step_2,
     )

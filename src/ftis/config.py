@@ -11,12 +11,22 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from ftis.algos import AlgorithmConfig, FTISConfig, get_algorithm
 from ftis.core.losses import LOSS_METHODS
-from ftis.models.loading import ModelConfig
+from ftis.exchange.wire import check_logprob_format
+from ftis.models.config import ModelConfig
 from ftis.tasks import ArithmeticTaskConfig, TaskConfig
-from ftis.warmstart import WarmStartConfig
+from ftis.warmstart_config import WarmStartConfig
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
 
@@ -85,24 +95,6 @@ class NodeConfig(_Strict):
     )
     optim: OptimConfig = Field(default_factory=OptimConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
-    adversary: Literal["zero-logprobs", "random-tokens", "duplicate"] | None = Field(
-        None,
-        description=(
-            "Testing/research only: corrupt the batch this node sends to its peers (it still "
-            "trains on its honest samples). 'zero-logprobs' claims log-prob 0 for every token, "
-            "'random-tokens' replaces every token with a uniform random id, 'duplicate' copies "
-            "one sample into every row. See docs/RELIABILITY.md."
-        ),
-    )
-    crash_at_step: int | None = Field(
-        None,
-        ge=1,
-        description=(
-            "Testing only: the node dies at the start of this RL step (a worker process exits "
-            "hard, a single-node run raises SimulatedCrash). Used by the lost-peer and resume "
-            "tests."
-        ),
-    )
 
     @field_validator("name")
     @classmethod
@@ -160,7 +152,9 @@ class SharingConfig(_Strict):
 
 class ExchangeConfig(_Strict):
     logprob_format: str = Field(
-        "f32", description="How sampler log-probs travel: see docs/wire-format.md for the formats."
+        "f32",
+        description="How sampler log-probs travel: 'f32' (exact), 'q8'..'q24' or 'compact'; "
+        "see docs/wire-format.md.",
     )
     timeout_s: float = Field(
         300.0,
@@ -170,6 +164,20 @@ class ExchangeConfig(_Strict):
             "it declares the peer lost and carries on without it."
         ),
     )
+    on_store_lost: Literal["stop", "continue"] = Field(
+        "stop",
+        description=(
+            "When the exchange's store itself is lost (its host died): 'stop' checkpoints and "
+            "stops with an error saying how to resume; 'continue' lets each node go on alone, "
+            "which changes the experiment."
+        ),
+    )
+
+    @field_validator("logprob_format")
+    @classmethod
+    def _known_format(cls, v: str) -> str:
+        check_logprob_format(v)
+        return v
 
 
 class CheckpointConfig(_Strict):
@@ -182,10 +190,51 @@ class LogConfig(_Strict):
     progress: bool = Field(True, description="Show a progress bar.")
 
 
+class TestingConfig(_Strict):
+    """Fault injection for tests and research only (docs/RELIABILITY.md); leave it empty in real
+    runs. Keys are node names."""
+
+    crash_at_step: dict[str, int] = Field(
+        default_factory=dict,
+        description=(
+            "Node -> RL step at whose start the node dies (a worker process exits hard, a "
+            "single-node run raises SimulatedCrash). Used by the lost-peer and resume tests."
+        ),
+    )
+    adversary: dict[str, Literal["zero-logprobs", "random-tokens", "duplicate"]] = Field(
+        default_factory=dict,
+        description=(
+            "Node -> how it corrupts the rollouts it sends its peers (it still trains on its "
+            "honest samples): 'zero-logprobs' claims log-prob 0 for every token, "
+            "'random-tokens' replaces every token with a uniform random id, 'duplicate' copies "
+            "one sample into every row."
+        ),
+    )
+
+
+def _algorithm_config(value: Any) -> AlgorithmConfig:
+    """The registered config class of `value['kind']` (default 'ftis'), validated."""
+    if isinstance(value, AlgorithmConfig):
+        return value
+    value = {} if value is None else value
+    if not isinstance(value, dict):
+        raise ValueError("must be a mapping with a kind, e.g. {kind: ftis}")
+    kind = value.get("kind", "ftis")
+    spec = get_algorithm(str(kind))
+    try:
+        return spec.config.model_validate({**value, "kind": kind})
+    except ValidationError as e:
+        raise ValueError(format_validation_error(e, header="", indent="", sep="; ")) from None
+
+
 class RunConfig(_Strict):
     """Everything a run needs. Written, fully resolved, to RUN_DIR/config.yaml."""
 
     name: str = Field("ftis", description="Run name; the default output is runs/<name>.")
+    algorithm: SerializeAsAny[AlgorithmConfig] = Field(
+        default_factory=FTISConfig,
+        description="What a node does in one step; `kind` picks a registered algorithm.",
+    )
     task: TaskConfig = Field(default_factory=ArithmeticTaskConfig)
     nodes: list[NodeConfig] = Field(min_length=1, description="The peers.")
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -194,6 +243,9 @@ class RunConfig(_Strict):
     exchange: ExchangeConfig = Field(default_factory=ExchangeConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    testing: TestingConfig = Field(default_factory=TestingConfig)
+
+    _algorithm = field_validator("algorithm", mode="before")(_algorithm_config)
 
     @model_validator(mode="after")
     def _unique_names(self) -> RunConfig:
@@ -201,7 +253,20 @@ class RunConfig(_Strict):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"node names must be unique; repeated: {', '.join(dup)}")
+        for field in ("crash_at_step", "adversary"):
+            unknown = sorted(set(getattr(self.testing, field)) - set(names))
+            if unknown:
+                raise ValueError(
+                    f"testing.{field} names unknown nodes {unknown}; use node names "
+                    f"({', '.join(names)})"
+                )
+        self.algorithm.check_run(self)
         return self
+
+    @property
+    def rank_names(self) -> list[str]:
+        """Every rank's name: the nodes, then the algorithm's service ranks (e.g. a server)."""
+        return [n.name for n in self.nodes] + self.algorithm.service_ranks(self)
 
 
 def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
@@ -245,15 +310,18 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def format_validation_error(err: ValidationError) -> str:
+def format_validation_error(
+    err: ValidationError, *, header: str = "invalid config:\n", indent: str = "  ", sep="\n"
+) -> str:
+    """One line per problem: `  field.path: what is wrong (got value)`."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
         msg = e["msg"].removeprefix("Value error, ")
         got = e.get("input")
         got_txt = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
-        lines.append(f"  {loc or '<top level>'}: {msg}{got_txt}")
-    return "invalid config:\n" + "\n".join(lines)
+        lines.append(f"{indent}{loc or '<top level>'}: {msg}{got_txt}")
+    return header + sep.join(lines)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -1,4 +1,4 @@
-"""DistributedExchange over real processes on gloo (loopback only).
+"""DistributedTransport + RolloutCodec over real processes on gloo (loopback only).
 
 Each test starts `world_size` copies of this file as `python test_distributed.py --worker`; the
 workers join a group through `init_process_group_from_env` (torchrun's variables), run every
@@ -50,7 +50,13 @@ def worker() -> None:  # runs in the child processes
 
     import torch.distributed as dist
 
-    from ftis.exchange import DistributedExchange, gather_strings, init_process_group_from_env
+    from ftis.exchange import (
+        DistributedTransport,
+        RolloutCodec,
+        RolloutExchange,
+        gather_strings,
+        init_process_group_from_env,
+    )
     from ftis.exchange.distributed import require_agreement
 
     logging.basicConfig(level=logging.WARNING)
@@ -67,9 +73,8 @@ def worker() -> None:  # runs in the child processes
     except RuntimeError as e:
         assert "tokenizer fingerprint differs between ranks (rank 0: 'fp0'" in str(e), e
 
-    ex = DistributedExchange(
-        rank, world, vocab_size=VOCAB, max_tokens=MAX_TOKENS, pad_id=3, timeout_s=60
-    )
+    transport = DistributedTransport(rank, world, timeout_s=60)
+    ex = RolloutExchange(transport, RolloutCodec(vocab_size=VOCAB, max_tokens=MAX_TOKENS, pad_id=3))
     for step in (0, 1):
         own = peer_batch(rank, step)
         got = ex.all_gather(own)
@@ -116,8 +121,9 @@ def worker() -> None:  # runs in the child processes
     assert (got[world - 1] is None) == (rank != world - 1)
 
     # the compact format travels too, within its stated error
-    ex_c = DistributedExchange(
-        rank, world, vocab_size=VOCAB, max_tokens=MAX_TOKENS, logprob_format="compact"
+    ex_c = RolloutExchange(
+        transport,
+        RolloutCodec(vocab_size=VOCAB, max_tokens=MAX_TOKENS, logprob_format="compact"),
     )
     got = ex_c.all_gather(peer_batch(rank, 5))
     for peer in range(world):
@@ -176,10 +182,10 @@ def test_exchange_between_real_processes(world: int) -> None:
 
 
 def test_requires_a_process_group() -> None:
-    from ftis.exchange import DistributedExchange
+    from ftis.exchange import DistributedTransport
 
     with pytest.raises(RuntimeError, match="needs an initialised process group"):
-        DistributedExchange(0, 2, vocab_size=VOCAB, max_tokens=MAX_TOKENS)
+        DistributedTransport(0, 2)
 
 
 def test_init_from_env_says_what_is_missing(monkeypatch) -> None:

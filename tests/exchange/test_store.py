@@ -12,7 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ftis.exchange.store import Membership, PeerGroupError, StoreExchange, host_store, mark_left
+from ftis.exchange.codec import RolloutCodec, RolloutExchange
+from ftis.exchange.store import Membership, PeerGroupError, StoreTransport, host_store, mark_left
+from ftis.exchange.transport import TransportLost
 from tests.exchange.test_distributed import MAX_TOKENS, VOCAB, flip_a_byte, peer_batch
 
 
@@ -39,18 +41,15 @@ def store(monkeypatch):
     del server
 
 
-def _group(client, world, timeout_s=0.6, first_steps=None):
+def _group(client, world, timeout_s=0.6, first_steps=None, on_store_lost="stop"):
     ms = [Membership(client(), r, world, timeout_s=timeout_s) for r in range(world)]
-    exs = [
-        StoreExchange(
-            m,
-            first_steps=first_steps or [0] * world,
-            vocab_size=VOCAB,
-            max_tokens=MAX_TOKENS,
-            pad_id=3,
-        )
-        for m in ms
-    ]
+    first_steps = first_steps or [0] * world
+    exs = []
+    for m in ms:
+        transport = StoreTransport(m, first_steps=first_steps, on_store_lost=on_store_lost)
+        transport.ready()
+        codec = RolloutCodec(vocab_size=VOCAB, max_tokens=MAX_TOKENS, pad_id=3)
+        exs.append(RolloutExchange(transport, codec, first_round=first_steps[m.rank]))
     return ms, exs
 
 
@@ -82,7 +81,7 @@ def test_payloads_arrive_intact(store):
                 assert torch.equal(b.sampler_logprobs, want.sampler_logprobs)
             assert exs[r].last_stats.rejected == 0 and exs[r].last_stats.extra["peers"] == 2
     # old payloads are deleted: a long run does not grow the store without bound
-    assert not exs[0].store.check(["x/0/0"]) and exs[0].store.check(["x/3/0"])
+    assert not exs[0].transport.store.check(["x/0/0"]) and exs[0].transport.store.check(["x/3/0"])
 
 
 def test_a_corrupted_payload_is_rejected_and_counted(store):
@@ -135,12 +134,23 @@ def test_a_stalled_peer_is_dropped_after_the_timeout(store):
     assert got[0][1] is None and "no payload" in ms[0].lost[1]
 
 
-def test_a_lost_store_leaves_the_node_alone(store):
-    """The store's host is gone: the node logs it and trains on its own samples."""
+def test_a_lost_store_stops_the_node_with_a_resume_hint(store):
+    """The store's host is gone: by default the node must not silently go on alone (that
+    changes the experiment); the transport raises TransportLost, which says how to resume."""
     _, client = store
-    ms, exs = _group(client, 2, timeout_s=5)
+    _, exs = _group(client, 2, timeout_s=5)
     _round(exs, 0)
-    exs[0].store = _Broken()
+    exs[0].transport.store = _Broken()
+    with pytest.raises(TransportLost, match="ftis run --resume"):
+        exs[0].all_gather(peer_batch(0, 1))
+
+
+def test_a_lost_store_leaves_the_node_alone_when_asked_to(store):
+    """exchange.on_store_lost=continue: the node logs it and trains on its own samples."""
+    _, client = store
+    ms, exs = _group(client, 2, timeout_s=5, on_store_lost="continue")
+    _round(exs, 0)
+    exs[0].transport.store = _Broken()
     got = exs[0].all_gather(peer_batch(0, 1))
     assert got[0] is not None and got[1] is None and ms[0].is_broken
 

@@ -1,4 +1,4 @@
-"""Exchange of rollout batches between nodes: the wire format and the transports.
+"""Exchange between the ranks of a run: transports move bytes, codecs make payloads.
 
 Public contract (spec: architecture section 5)::
 
@@ -6,13 +6,16 @@ Public contract (spec: architecture section 5)::
     data = encode_rollouts(batch)
     batch = decode_rollouts(data, vocab_size=V, max_tokens=T_max)  # PayloadError on bad input
 
-All collectives and store traffic of the project live in `ftis.exchange.distributed` and
-`ftis.exchange.store` (the transport `ftis run` uses: tolerant of lost peers).
+Transports (`Transport`): `LocalTransport` (a world of one), `StoreTransport` (a key-value
+store, tolerant of lost peers; what `ftis run` uses), `DistributedTransport` (torch.distributed).
+Codecs: `RolloutCodec` (token ids + sampler log-probs). `RolloutExchange(transport, codec)` gives
+an algorithm every node's rollout batch. Group forming (tokenizer and settings handshake) lives
+in `ftis.exchange.group`. All collectives and store traffic of the project live in this package.
 """
 
-from ftis.exchange.base import Exchange, ExchangeAborted, ExchangeStats, LocalExchange
+from ftis.exchange.codec import ExchangeStats, RolloutCodec, RolloutExchange
 from ftis.exchange.distributed import (
-    DistributedExchange,
+    DistributedTransport,
     gather_strings,
     init_process_group_from_env,
     require_agreement,
@@ -20,10 +23,17 @@ from ftis.exchange.distributed import (
 from ftis.exchange.store import (
     Membership,
     PeerGroupError,
-    StoreExchange,
+    StoreTransport,
     connect_store,
     host_store,
     mark_left,
+)
+from ftis.exchange.transport import (
+    ExchangeAborted,
+    LocalTransport,
+    Transport,
+    TransportLost,
+    TransportStats,
 )
 from ftis.exchange.wire import (
     DEFAULT_LOGPROB_FORMAT,
@@ -38,15 +48,19 @@ from ftis.exchange.wire import (
 
 __all__ = [
     "DEFAULT_LOGPROB_FORMAT",
-    "DistributedExchange",
-    "Exchange",
+    "DistributedTransport",
     "ExchangeAborted",
     "ExchangeStats",
-    "LocalExchange",
+    "LocalTransport",
     "Membership",
     "PayloadError",
     "PeerGroupError",
-    "StoreExchange",
+    "RolloutCodec",
+    "RolloutExchange",
+    "StoreTransport",
+    "Transport",
+    "TransportLost",
+    "TransportStats",
     "bytes_per_token",
     "connect_store",
     "decode_rollouts",

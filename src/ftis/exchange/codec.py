@@ -1,29 +1,106 @@
-"""What every transport does around its own communication: encode this node's batch, validate
-and decode its peers' payloads, and account for the step in `ExchangeStats`.
+"""Payload codecs (batches <-> bytes) and the rollout exchange that composes a codec with a
+transport.
 
-A transport subclasses `PayloadExchange` and only moves bytes: its `all_gather` calls
-`_encode_own`, trades the payload with its peers, hands what arrived to `_decode_peers` and
-records `_stats`. Payloads are bytes checked by `ftis.exchange.wire`, never pickles.
+`RolloutCodec` turns a `RolloutBatch` into the versioned wire format (`ftis.exchange.wire`) and
+validates and decodes a peer's bytes; it never touches the network. `RolloutExchange` gives an
+algorithm `all_gather(batch) -> [batch or None per rank]` over any `Transport`: encode this
+node's batch, trade bytes, decode every peer's payload, and account for the step in
+`ExchangeStats`. Other payloads (parameter deltas, seeds + rewards) get their own codecs over
+the same transports.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-from ftis.exchange.base import ExchangeStats
+from ftis.exchange.transport import Transport
 from ftis.exchange.wire import (
+    DEFAULT_LOGPROB_FORMAT,
     PayloadError,
     decode_rollouts,
+    describe_logprob_format,
     encode_rollouts,
     max_payload_size,
 )
 from ftis.rollout.types import RolloutBatch
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class ExchangeStats:
+    """What the last `all_gather` cost: payload bytes sent and received, seconds spent, payloads
+    rejected, and the transport's and codec's own figures in `extra`."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    rejected: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class RolloutCodec:
+    """Rollout batches <-> bytes, with every check a receiver needs.
+
+    Args:
+        vocab_size: the shared tokenizer's vocabulary size (ids are validated against it).
+        max_tokens: the longest completion a peer may send (the run's max_new_tokens).
+        pad_id: this node's pad token id, used to pad decoded peer batches.
+        logprob_format: wire format of the log-probs ("f32" exact, "qK", "compact"); see
+            `ftis.exchange.wire.encode_rollouts`. Peers may differ: each payload says its own.
+        max_sequences: the most sequences accepted from one peer.
+        compress: zlib the payload sections when that shrinks them.
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        max_tokens: int,
+        pad_id: int = 0,
+        logprob_format: str = DEFAULT_LOGPROB_FORMAT,
+        max_sequences: int = 8192,
+        compress: bool = False,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.max_tokens = max_tokens
+        self.pad_id = pad_id
+        self.logprob_format = logprob_format
+        self.max_sequences = max_sequences
+        self.compress = compress
+        self.max_payload = max_payload_size(
+            max_sequences=max_sequences, max_tokens=max_tokens, vocab_size=vocab_size
+        )
+
+    def describe(self) -> str:
+        return describe_logprob_format(self.logprob_format, self.vocab_size)
+
+    def encode(self, batch: RolloutBatch) -> bytes:
+        """The payload for `batch`; raises ValueError when it cannot be encoded (e.g. NaN)."""
+        return encode_rollouts(
+            batch,
+            logprob_format=self.logprob_format,
+            vocab_size=self.vocab_size,
+            compress=self.compress,
+        )
+
+    def decode(self, data: bytes, *, peer: int) -> RolloutBatch:
+        """`peer`'s batch; PayloadError on anything malformed, oversized or not from `peer`."""
+        if len(data) > self.max_payload:
+            raise PayloadError(f"{len(data)} bytes exceeds the limit of {self.max_payload}")
+        return decode_rollouts(
+            data,
+            vocab_size=self.vocab_size,
+            max_tokens=self.max_tokens,
+            max_sequences=self.max_sequences,
+            expected_generator=peer,
+            pad_id=self.pad_id,
+        )
 
 
 def to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
@@ -39,146 +116,81 @@ def to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
     )
 
 
-@dataclass
-class PeerBatches:
-    """The peers' payloads of one step, decoded.
+class RolloutExchange:
+    """Every node's rollout batch of a round, over any transport.
 
-    batches: peer rank -> its batch, or None when its payload was rejected (in the order the
-        payloads were given).
-    rejected: how many payloads failed validation.
-    bytes_received: the payload sizes the peers announced, summed (negative sizes count 0).
+    `all_gather(batch)` returns a list indexed by rank: this node's own batch at its rank, each
+    peer's decoded batch, or None for a peer that is lost, did not take part, or whose payload
+    failed validation (counted in `last_stats.rejected` and logged). Rounds are numbered from
+    `first_round` and advance by one per call.
+
+    `corrupt_for_test`, when set, rewrites this node's payload after encoding (tests use it to
+    make one rank send a corrupted payload).
     """
 
-    batches: dict[int, RolloutBatch | None]
-    rejected: int
-    bytes_received: int
-
-
-class PayloadExchange:
-    """The settings and payload handling the transports share (`DistributedExchange`,
-    `StoreExchange`); see those for the meaning of the arguments.
-
-    Attributes read at call time, so changing one after construction takes effect at the next
-    step, as it always has. `corrupt_for_test`, when set, rewrites this node's payload after
-    encoding (tests use it to make one rank send a corrupted payload).
-    """
-
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        *,
-        vocab_size: int,
-        max_tokens: int,
-        pad_id: int,
-        logprob_format: str,
-        max_sequences: int,
-        compress: bool,
-    ) -> None:
-        self.rank = rank
-        self.world_size = world_size
-        self.vocab_size = vocab_size
-        self.max_tokens = max_tokens
-        self.max_sequences = max_sequences
-        self.pad_id = pad_id
-        self.logprob_format = logprob_format
-        self.compress = compress
+    def __init__(self, transport: Transport, codec: RolloutCodec, *, first_round: int = 1) -> None:
+        self.transport = transport
+        self.codec = codec
+        self.round = first_round
         self.last_stats = ExchangeStats()
         self.corrupt_for_test: Callable[[bytes], bytes] | None = None
-        self._max_payload = max_payload_size(
-            max_sequences=max_sequences, max_tokens=max_tokens, vocab_size=vocab_size
-        )
 
-    def _encode_own(self, batch: RolloutBatch, *, logger: logging.Logger = log) -> bytes:
-        """This node's payload for `batch`: b"" (logged on `logger`) when the batch cannot be
-        encoded, so that the node still takes part in the step and its peers reject it."""
+    @property
+    def rank(self) -> int:
+        return self.transport.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.transport.world_size
+
+    def all_gather(self, batch: RolloutBatch) -> list[RolloutBatch | None]:
+        t0 = time.perf_counter()
         try:
-            payload = encode_rollouts(
-                batch,
-                logprob_format=self.logprob_format,
-                vocab_size=self.vocab_size,
-                compress=self.compress,
-            )
+            payload = self.codec.encode(batch)
         except ValueError as e:
             # Still send something (peers wait for it, or hang in a collective); they reject b"".
-            logger.error(
+            log.error(
                 "rank %d: own batch cannot be encoded, peers will reject it: %s", self.rank, e
             )
             payload = b""
         if self.corrupt_for_test is not None:
             payload = self.corrupt_for_test(payload)
-        return payload
-
-    def _decode_peers(
-        self,
-        payloads: Mapping[int, tuple[int, bytes | None]],
-        *,
-        device: torch.device | None = None,
-        step: int | None = None,
-        logger: logging.Logger = log,
-    ) -> PeerBatches:
-        """Validate and decode every peer's payload.
-
-        Args:
-            payloads: peer rank -> (announced size, the bytes, or None when the transport did
-                not buffer them because the size is negative or above the limit).
-            device: where to move the decoded batches; None leaves them on the CPU.
-            step: named in the rejection warnings when given.
-            logger: where rejections are logged (the transport's logger).
-
-        A payload that is over the limit or fails `decode_rollouts` is logged, counted and
-        comes back as None; the others carry on.
-        """
-        where = "" if step is None else f" of step {step}"
-        out = PeerBatches(batches={}, rejected=0, bytes_received=0)
-        for peer, (size, data) in payloads.items():
-            out.bytes_received += max(size, 0)
+        t1 = time.perf_counter()
+        before = self.transport.stats.copy()
+        raw = self.transport.exchange(self.round, payload, max_bytes=self.codec.max_payload)
+        after = self.transport.stats
+        t2 = time.perf_counter()
+        out: list[RolloutBatch | None] = [None] * self.world_size
+        out[self.rank] = batch
+        rejected = 0
+        device = batch.completion_ids.device
+        for peer, data in sorted(raw.items()):
             try:
-                if data is None or len(data) > self._max_payload:
-                    raise PayloadError(f"{size} bytes exceeds the limit of {self._max_payload}")
-                peer_batch = decode_rollouts(
-                    data,
-                    vocab_size=self.vocab_size,
-                    max_tokens=self.max_tokens,
-                    max_sequences=self.max_sequences,
-                    expected_generator=peer,
-                    pad_id=self.pad_id,
-                )
+                if data is None:
+                    raise PayloadError(f"over the limit of {self.codec.max_payload} bytes")
+                out[peer] = to_device(self.codec.decode(data, peer=peer), device)
             except PayloadError as e:
-                logger.warning(
-                    "rank %d: rejected rank %d's payload%s (%d bytes): %s",
+                log.warning(
+                    "rank %d: rejected rank %d's payload of round %d: %s",
                     self.rank,
                     peer,
-                    where,
-                    size,
+                    self.round,
                     e,
                 )
-                out.rejected += 1
-                out.batches[peer] = None
-                continue
-            out.batches[peer] = peer_batch if device is None else to_device(peer_batch, device)
-        return out
-
-    @staticmethod
-    def _stats(
-        payload: bytes,
-        peers: PeerBatches,
-        marks: tuple[float, float, float, float],
-        extra: Mapping[str, float] | None = None,
-    ) -> ExchangeStats:
-        """The step's `ExchangeStats`; `marks` are the perf_counter readings before encoding,
-        after encoding, after the communication and after decoding; `extra` adds the
-        transport's own figures to `ExchangeStats.extra`."""
-        t0, t1, t2, t3 = marks
-        return ExchangeStats(
-            bytes_sent=len(payload),
-            bytes_received=peers.bytes_received,
+                rejected += 1
+        t3 = time.perf_counter()
+        self.round += 1
+        self.last_stats = ExchangeStats(
+            bytes_sent=after.bytes_sent - before.bytes_sent,
+            bytes_received=after.bytes_received - before.bytes_received,
             seconds=t3 - t0,
-            rejected=peers.rejected,
+            rejected=rejected,
             extra={
                 "encode_seconds": t1 - t0,
                 "comm_seconds": t2 - t1,
                 "decode_seconds": t3 - t2,
-                **(extra or {}),
+                "peers": float(len(raw)),
+                "lost_peers": float(len(after.lost)),
             },
         )
+        return out

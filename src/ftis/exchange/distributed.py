@@ -1,13 +1,11 @@
 """The torch.distributed transport, and every collective the project makes.
 
-One node = one process (torchrun semantics). Each step every node encodes its own rollout batch
-(`ftis.exchange.wire`), the group all-gathers the payload sizes and then the payloads as padded
-uint8 tensors, and every node decodes its peers' payloads, validating each one. A peer whose
-payload fails validation is logged, counted in `last_stats.rejected` and returned as None; the
-others carry on. Payloads are bytes, never pickles: a peer can send garbage, not code.
+One node = one process (torchrun semantics). Each round the group all-gathers the payload sizes
+and then the payloads as padded uint8 tensors; a codec (`ftis.exchange.codec`) validates and
+decodes them. Payloads are bytes, never pickles: a peer can send garbage, not code.
 
-Collectives cannot skip a rank, so a peer that crashes or stalls makes `all_gather` fail after
-`timeout_s` with a RuntimeError rather than return None for it.
+Collectives cannot skip a rank, so a peer that crashes or stalls makes `exchange` fail after
+`timeout_s` with a RuntimeError rather than leave it out.
 """
 
 from __future__ import annotations
@@ -20,10 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ftis.exchange.base import rank_from_env
-from ftis.exchange.codec import PayloadExchange
-from ftis.exchange.wire import DEFAULT_LOGPROB_FORMAT, describe_logprob_format
-from ftis.rollout.types import RolloutBatch
+from ftis.exchange.transport import TransportStats, rank_from_env
 
 log = logging.getLogger(__name__)
 
@@ -139,24 +134,16 @@ def require_agreement(
         raise RuntimeError(f"{what} differs between ranks ({listing}). {hint}".rstrip())
 
 
-class DistributedExchange(PayloadExchange):
-    """`Exchange` over an initialised torch.distributed group (gloo on CPU, NCCL on GPU).
+class DistributedTransport:
+    """`Transport` over an initialised torch.distributed group (gloo on CPU, NCCL on GPU).
 
     Args:
         rank, world_size: this process's place in `group` (checked against it).
-        vocab_size: the shared tokenizer's vocabulary size (ids are validated against it).
-        max_tokens: the longest completion a peer may send (the run's max_new_tokens).
-        pad_id: this node's pad token id, used to pad decoded peer batches.
-        logprob_format: wire format of the log-probs ("f32" exact, "qK", "compact"); see
-            `ftis.exchange.wire.encode_rollouts`. Peers may differ: each payload says its own.
         timeout_s: how long a collective may wait for the slowest peer.
-        max_sequences: the most sequences accepted from one peer. Must be the same on all ranks
-            (it bounds the gathered tensor size).
-        compress: zlib the payload sections when that shrinks them.
         group: the process group; None = the default group.
 
-    `corrupt_for_test`, when set, rewrites this node's payload after encoding (tests use it to
-    make one rank send a corrupted payload).
+    Every rank takes part in every round (a collective cannot skip a rank), and every rank must
+    pass the same `max_bytes` (it bounds the gathered tensor).
     """
 
     def __init__(
@@ -164,18 +151,12 @@ class DistributedExchange(PayloadExchange):
         rank: int,
         world_size: int,
         *,
-        vocab_size: int,
-        max_tokens: int,
-        pad_id: int = 0,
-        logprob_format: str = DEFAULT_LOGPROB_FORMAT,
         timeout_s: float = 1800.0,
-        max_sequences: int = 8192,
-        compress: bool = False,
         group: dist.ProcessGroup | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
-                "DistributedExchange needs an initialised process group: call "
+                "DistributedTransport needs an initialised process group: call "
                 "init_process_group_from_env() first"
             )
         if (rank, world_size) != (dist.get_rank(group), dist.get_world_size(group)):
@@ -183,41 +164,30 @@ class DistributedExchange(PayloadExchange):
                 f"rank/world_size ({rank}, {world_size}) disagree with the process group "
                 f"({dist.get_rank(group)}, {dist.get_world_size(group)})"
             )
-        super().__init__(
-            rank,
-            world_size,
-            vocab_size=vocab_size,
-            max_tokens=max_tokens,
-            pad_id=pad_id,
-            logprob_format=logprob_format,
-            max_sequences=max_sequences,
-            compress=compress,
-        )
+        self.rank = rank
+        self.world_size = world_size
         self.timeout_s = timeout_s
         self.group = group
-        log.info(
-            "rank %d: exchange ready, log-probs as %s",
-            rank,
-            describe_logprob_format(logprob_format, vocab_size),
-        )
+        self.stats = TransportStats()
 
-    def all_gather(self, batch: RolloutBatch) -> list[RolloutBatch | None]:
+    def exchange(self, round_: int, payload: bytes, *, max_bytes: int) -> dict[int, bytes | None]:
         t0 = time.perf_counter()
-        payload = self._encode_own(batch, logger=log)
-        t1 = time.perf_counter()
         gathered = _all_gather_bytes(
-            payload, group=self.group, max_bytes=self._max_payload, timeout_s=self.timeout_s
+            payload, group=self.group, max_bytes=max_bytes, timeout_s=self.timeout_s
         )
-        t2 = time.perf_counter()
-        peers = self._decode_peers(
-            {p: got for p, got in enumerate(gathered) if p != self.rank},
-            device=batch.completion_ids.device,
-            logger=log,
-        )
-        t3 = time.perf_counter()
-        out = [batch if p == self.rank else peers.batches[p] for p in range(len(gathered))]
-        self.last_stats = self._stats(payload, peers, (t0, t1, t2, t3))
+        self.stats.seconds += time.perf_counter() - t0
+        self.stats.bytes_sent += len(payload)
+        out: dict[int, bytes | None] = {}
+        for p, (size, data) in enumerate(gathered):
+            if p == self.rank:
+                continue
+            self.stats.bytes_received += max(size, 0)
+            self.stats.oversized += data is None
+            out[p] = data
         return out
+
+    def ready(self) -> None:
+        pass
 
     def close(self) -> None:
         """Nothing to release: the process group belongs to whoever initialised it."""

@@ -1,4 +1,4 @@
-"""The store transport: rollout payloads through a key-value store, tolerant of lost peers.
+"""The store transport: payloads through a key-value store, tolerant of lost peers.
 
 Why not a collective: a gloo/NCCL all_gather cannot skip a rank, so one dead or stalled node
 fails the collective on every other node and leaves the process group unusable. Here every node
@@ -34,10 +34,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ftis.exchange.base import ExchangeAborted, rank_from_env
-from ftis.exchange.codec import PayloadExchange
-from ftis.exchange.wire import DEFAULT_LOGPROB_FORMAT, describe_logprob_format
-from ftis.rollout.types import RolloutBatch
+from ftis.exchange.transport import ExchangeAborted, TransportLost, TransportStats, rank_from_env
 
 log = logging.getLogger(__name__)
 
@@ -210,21 +207,22 @@ class Membership:
             pass
 
 
-class StoreExchange(PayloadExchange):
-    """`Exchange` through a store: tolerant of peers that die, stall or leave.
+class StoreTransport:
+    """`Transport` through a store: tolerant of peers that die, stall or leave.
 
     Args:
         membership: this node's `Membership` (heartbeat, lost peers).
-        first_steps: the first RL step of every rank (they differ after a resume in which one
+        first_steps: the first round of every rank (they differ after a resume in which one
             node's checkpoint is behind the others': it catches up alone until the others'
-            first step). This node's rounds are numbered from its own first step.
-        vocab_size, max_tokens, pad_id, logprob_format, max_sequences, compress: as in
-            `DistributedExchange`.
+            first round). A peer takes part in round t when its first round is <= t.
         should_stop: polled while waiting; when it returns True before every payload of the
-            step has arrived, `all_gather` raises ExchangeAborted (Ctrl-C during a wait).
+            round has arrived, `exchange` raises ExchangeAborted (Ctrl-C during a wait).
+        on_store_lost: what to do when the store itself becomes unreachable (its host died):
+            "stop" (default) raises TransportLost, so the node checkpoints and stops with a
+            message saying how to resume; "continue" drops every peer and goes on alone.
 
-    `all_gather` returns None for a peer that is lost, was not part of this step, or whose
-    payload failed validation; `last_stats.rejected` counts only the latter.
+    `exchange` returns the payload of every live peer that takes part in the round; a peer that
+    is lost is absent (and stays lost). A payload over `max_bytes` comes back as None.
     """
 
     def __init__(
@@ -232,78 +230,67 @@ class StoreExchange(PayloadExchange):
         membership: Membership,
         *,
         first_steps: list[int],
-        vocab_size: int,
-        max_tokens: int,
-        pad_id: int = 0,
-        logprob_format: str = DEFAULT_LOGPROB_FORMAT,
-        max_sequences: int = 8192,
-        compress: bool = False,
         should_stop: Callable[[], bool] | None = None,
+        on_store_lost: str = "stop",
     ) -> None:
         if len(first_steps) != membership.world_size:
             raise ValueError(
                 f"first_steps has {len(first_steps)} entries, world is {membership.world_size}"
             )
-        super().__init__(
-            membership.rank,
-            membership.world_size,
-            vocab_size=vocab_size,
-            max_tokens=max_tokens,
-            pad_id=pad_id,
-            logprob_format=logprob_format,
-            max_sequences=max_sequences,
-            compress=compress,
-        )
+        if on_store_lost not in ("stop", "continue"):
+            raise ValueError(f"on_store_lost must be 'stop' or 'continue', got {on_store_lost!r}")
         self.m = membership
         self.store = membership.store
+        self.rank = membership.rank
+        self.world_size = membership.world_size
         self.first_steps = first_steps
-        self.step = first_steps[self.rank]
         self.should_stop = should_stop or (lambda: False)
+        self.on_store_lost = on_store_lost
+        self.stats = TransportStats(lost=membership.lost)
         self._ready_seen: dict[int, float] = {}
+
+    def ready(self) -> None:
         try:
             self.store.set(f"ready/{self.rank}", "1")
         except RuntimeError as e:
-            self.m.broken(e, step=self.step)
-        log.info(
-            "rank %d: exchange ready (store), log-probs as %s",
-            self.rank,
-            describe_logprob_format(logprob_format, vocab_size),
-        )
+            self._store_lost(e, step=self.first_steps[self.rank])
 
     @property
     def live_peers(self) -> list[int]:
         return [p for p in range(self.world_size) if p != self.rank and p not in self.m.lost]
 
-    def all_gather(self, batch: RolloutBatch) -> list[RolloutBatch | None]:
-        step = self.step
+    def exchange(self, round_: int, payload: bytes, *, max_bytes: int) -> dict[int, bytes | None]:
         if self.should_stop():
-            raise ExchangeAborted(f"stop requested before the exchange of step {step}")
+            raise ExchangeAborted(f"stop requested before the exchange of round {round_}")
         t0 = time.perf_counter()
-        payload = self._encode_own(batch, logger=log)
-        t1 = time.perf_counter()
-        out: list[RolloutBatch | None] = [None] * self.world_size
-        out[self.rank] = batch
         raw: dict[int, bytes] = {}
         if not self.m.is_broken:
             try:
-                raw = self._trade(payload, step)
-            except RuntimeError as e:  # the store went away mid-step
-                self.m.broken(e, step=step)
-        t2 = time.perf_counter()
-        peers = self._decode_peers(
-            {p: (len(data), data) for p, data in raw.items()}, step=step, logger=log
-        )
-        for p, peer_batch in peers.batches.items():
-            out[p] = peer_batch
-        t3 = time.perf_counter()
-        self.step += 1
-        self.last_stats = self._stats(
-            payload,
-            peers,
-            (t0, t1, t2, t3),
-            {"peers": float(len(raw)), "lost_peers": float(len(self.m.lost))},
-        )
+                raw = self._trade(payload, round_)
+            except RuntimeError as e:  # the store went away mid-round
+                self._store_lost(e, step=round_)
+        self.stats.seconds += time.perf_counter() - t0
+        self.stats.bytes_sent += len(payload)
+        out: dict[int, bytes | None] = {}
+        for p, data in raw.items():
+            self.stats.bytes_received += len(data)
+            if len(data) > max_bytes:
+                self.stats.oversized += 1
+                out[p] = None
+            else:
+                out[p] = data
         return out
+
+    def _store_lost(self, err: Exception, *, step: int) -> None:
+        if self.on_store_lost == "stop":
+            raise TransportLost(
+                f"the exchange's store became unreachable at round {step} ({err}): its host "
+                "(the `ftis run` process, or torchrun's agent on the master machine) is gone. "
+                "This node stops rather than silently train alone; resume the run with "
+                "`ftis run --resume RUN_DIR` once every node can reach a store again, or set "
+                "exchange.on_store_lost=continue to let nodes carry on alone"
+            ) from err
+        self.m.broken(err, step=step)
 
     def _trade(self, payload: bytes, step: int) -> dict[int, bytes]:
         """Post this node's payload of `step`, then collect the payload of every live peer that
@@ -333,7 +320,7 @@ class StoreExchange(PayloadExchange):
                     pending.discard(p)
             if pending:
                 if self.should_stop():
-                    raise ExchangeAborted(f"stop requested while waiting for step {step}")
+                    raise ExchangeAborted(f"stop requested while waiting for round {step}")
                 time.sleep(pause)
                 pause = min(2 * pause, _POLL_MAX_S)
         return got

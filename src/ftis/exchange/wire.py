@@ -111,6 +111,14 @@ def resolve_logprob_format(logprob_format: str, vocab_size: int) -> str:
     return _codec(logprob_format).name
 
 
+def check_logprob_format(name: str) -> str:
+    """`name` when it is a log-prob format `encode_rollouts` accepts, else a ValueError that
+    lists the formats."""
+    if name != "compact":
+        _codec(name)
+    return name
+
+
 def _codec(name: str) -> _LpCodec:
     if name == "f32":
         return _LpCodec(_LP_F32, 32)

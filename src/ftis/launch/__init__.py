@@ -10,7 +10,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ftis.config import RunConfig
-from ftis.exchange.base import LocalExchange
 from ftis.launch.multi import MultiResult
 from ftis.train.checkpoint import checkpoint_step
 from ftis.train.loop import train_node
@@ -49,11 +48,11 @@ def run_local(
     cfg: RunConfig, run_dir: Path, *, console: Console | None = None, resume: bool = False
 ) -> MultiResult:
     """Run every node of `cfg` on this machine: in this process when there is one node, else
-    one process per node (ftis.launch.multi, ftis.launch.worker). `resume` continues every node from
-    its newest checkpoint. Ctrl-C stops the nodes after a checkpoint, then raises
+    one process per rank (ftis.launch.multi, ftis.launch.worker). `resume` continues every node
+    from its newest checkpoint. Ctrl-C stops the nodes after a checkpoint, then raises
     KeyboardInterrupt. A node lost while the others finished raises NodesLostError (a
     LaunchError) after they wrote everything."""
-    if len(cfg.nodes) != 1:
+    if len(cfg.rank_names) != 1:
         from ftis.launch.multi import run_multi
 
         return run_multi(cfg, run_dir, console=console, resume=resume)
@@ -73,7 +72,6 @@ def run_local(
         res = train_node(
             cfg,
             rank=0,
-            exchange_factory=lambda _node: LocalExchange(),
             run_dir=run_dir,
             progress=bar,
             resume=resume,

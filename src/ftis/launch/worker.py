@@ -5,8 +5,8 @@
              --master-addr HOST --master-port 29500 -m ftis.launch.worker CONFIG --out RUN_DIR
 
 RANK picks the node (`nodes[RANK]` in the config). Before any warm start, the group checks that
-every peer has the same tokenizer and the same shared settings (task, train, sharing), since
-token ids and prompt indices are exchanged as they are. Samples travel through a key-value store
+every peer has the same tokenizer and the same shared settings (task, train, sharing, algorithm),
+since token ids and prompt indices are exchanged as they are. Samples travel through a key-value store
 (`ftis.exchange.store`), not a collective, so a node that dies only costs its peers its samples.
 
 Exit codes: 0 finished, 130 stopped by SIGINT/SIGTERM after a checkpoint, 2 a user error (the
@@ -27,12 +27,9 @@ from pathlib import Path
 import torch
 
 from ftis.config import ConfigError, RunConfig, load_config
-from ftis.exchange.store import (
-    Membership,
-    PeerGroupError,
-    StoreExchange,
-    connect_store,
-)
+from ftis.exchange.group import GroupMismatchError, check_group
+from ftis.exchange.store import Membership, PeerGroupError, StoreTransport, connect_store
+from ftis.exchange.transport import TransportLost
 from ftis.models.loading import ModelLoadError, load_tokenizer, tokenizer_fingerprint
 from ftis.tasks import TaskDataError
 from ftis.train.checkpoint import CheckpointError, checkpoint_step
@@ -44,10 +41,6 @@ log = logging.getLogger("ftis.launch.worker")
 CRASH_EXIT_CODE = 17  # `crash_at_step`: the process exits hard, as if killed
 
 
-class GroupMismatchError(ValueError):
-    """Peers disagree on something they must share (tokenizer, task, schedule)."""
-
-
 USER_ERRORS = (
     ConfigError,
     ModelLoadError,
@@ -55,48 +48,20 @@ USER_ERRORS = (
     GroupMismatchError,
     PeerGroupError,
     CheckpointError,
+    TransportLost,
 )
+
+# What every rank must agree on: the task (prompt indices), the step schedule, the sharing
+# scheme and the algorithm. Node-specific settings (model, optimizer, loss) may differ.
+SHARED_SECTIONS = ("task", "train", "sharing", "algorithm")
 
 
 def shared_settings_digest(cfg: RunConfig) -> str:
-    """Digest of what every peer must agree on: the task (prompt indices), the step schedule and
-    the sharing scheme. Node-specific settings (model, optimizer, loss) may differ."""
-    shared = {k: cfg.model_dump(mode="json")[k] for k in ("task", "train", "sharing")}
-    shared["nodes"] = [n.name for n in cfg.nodes]
+    """Digest of the sections every rank must share, and the names of the ranks."""
+    dumped = cfg.model_dump(mode="json")
+    shared = {k: dumped[k] for k in SHARED_SECTIONS}
+    shared["ranks"] = cfg.rank_names
     return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def check_group(
-    cfg: RunConfig, membership: Membership, fingerprint: str, first_step: int = 1
-) -> list[int]:
-    """Form the group: raise GroupMismatchError, on every rank alike, if peers' tokenizers or
-    settings differ; return every rank's first RL step (they differ after some resumes)."""
-    mine = f"{fingerprint}:{shared_settings_digest(cfg)}:{first_step}"
-    everyone = membership.gather(mine, timeout_s=max(cfg.exchange.timeout_s, 120.0))
-    names = [n.name for n in cfg.nodes]
-    parts = [s.split(":") for s in everyone]
-    if any(len(p) != 3 or not p[2].isdigit() for p in parts):
-        raise GroupMismatchError(
-            "a peer runs a different version of ftis (unreadable handshake); install the same "
-            "version on every machine"
-        )
-    toks = [p[0] for p in parts]
-    if len(set(toks)) > 1:
-        groups: dict[str, list[str]] = {}
-        for name, t in zip(names, toks):
-            groups.setdefault(t, []).append(name)
-        detail = "; ".join(f"{', '.join(v)} use tokenizer {k}" for k, v in groups.items())
-        raise GroupMismatchError(
-            f"peers must share one tokenizer (token ids are exchanged as they are), but {detail}. "
-            "Give every node a model with the same tokenizer."
-        )
-    settings = [p[1] for p in parts]
-    if len(set(settings)) > 1:
-        raise GroupMismatchError(
-            "peers were started with different task/train/sharing settings (digests "
-            f"{dict(zip(names, settings))}); start every node from the same config file"
-        )
-    return [int(p[2]) for p in parts]
 
 
 class StatusFile:
@@ -159,13 +124,20 @@ def main(argv: list[str] | None = None) -> int:
     membership: Membership | None = None
     try:
         cfg = load_config(args.config, args.overrides)
-        if world != len(cfg.nodes):
+        names = cfg.rank_names
+        if world != len(names):
             raise ConfigError(
-                f"the config declares {len(cfg.nodes)} nodes but {world} processes were started; "
-                f"start exactly one process per node (--nproc-per-node {len(cfg.nodes)})"
+                f"the config declares {len(names)} ranks ({', '.join(names)}) but {world} "
+                f"processes were started; start exactly one process per rank "
+                f"(--nproc-per-node {len(names)})"
             )
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        if rank >= len(cfg.nodes):
+            raise ConfigError(
+                f"rank {rank} ({names[rank]}) is a service rank of algorithm "
+                f"{cfg.algorithm.kind!r}, which has no service entry point in this version"
+            )
         node_cfg = cfg.nodes[rank]
         done = 0
         if args.resume:
@@ -176,25 +148,23 @@ def main(argv: list[str] | None = None) -> int:
         store, rank, world = connect_store(cfg.exchange.timeout_s)
         membership = Membership(store, rank, world, timeout_s=cfg.exchange.timeout_s)
         first_steps = check_group(
-            cfg, membership, tokenizer_fingerprint(load_tokenizer(node_cfg.model)), done + 1
+            membership,
+            names=names,
+            fingerprint=tokenizer_fingerprint(load_tokenizer(node_cfg.model)),
+            settings_digest=shared_settings_digest(cfg),
+            first_step=done + 1,
+            timeout_s=max(cfg.exchange.timeout_s, 120.0),
         )
         stop = StopFlag()
-
-        def make_exchange(node):
-            return StoreExchange(
-                membership,
-                first_steps=first_steps,
-                vocab_size=int(node.model.get_input_embeddings().num_embeddings),
-                max_tokens=cfg.train.max_new_tokens,
-                pad_id=node.tokenizer.pad_token_id,
-                logprob_format=cfg.exchange.logprob_format,
-                should_stop=stop,
-            )
-
         result = train_node(
             cfg,
             rank=rank,
-            exchange_factory=make_exchange,
+            transport=StoreTransport(
+                membership,
+                first_steps=first_steps,
+                should_stop=stop,
+                on_store_lost=cfg.exchange.on_store_lost,
+            ),
             run_dir=run_dir,
             progress=StatusFile(run_dir, node_cfg.name),
             resume=args.resume,

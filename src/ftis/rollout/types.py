@@ -46,6 +46,17 @@ class RolloutBatch:
                 f"{tuple(self.completion_ids.shape)}, got {tuple(self.sampler_logprobs.shape)}"
             )
 
+    @staticmethod
+    def empty(pad_id: int) -> RolloutBatch:
+        """A batch of no sequences."""
+        return RolloutBatch(
+            prompt_index=torch.zeros(0, dtype=torch.long),
+            generator=torch.zeros(0, dtype=torch.long),
+            completion_ids=torch.full((0, 1), pad_id, dtype=torch.long),
+            lengths=torch.zeros(0, dtype=torch.long),
+            sampler_logprobs=torch.zeros((0, 1), dtype=torch.float32),
+        )
+
     @property
     def num_sequences(self) -> int:
         return int(self.completion_ids.shape[0])

@@ -1,16 +1,14 @@
-"""The training loop of one node, top to bottom.
+"""The node shell: what every algorithm shares, top to bottom.
 
-    eval(step 0)
-    for step in 1..S:
-        sample      this node's share of the step's prompts, G completions each (or G/n: horizontal)
-        exchange    every node's rollouts, tokens + sampler log-probs only
-        score       rewards from this node's own verifier
-        advantages  per group (= per prompt), before any filtering
-        update      receiver log-probs, F-TIS (or another) loss, one optimizer step
-        eval, log, checkpoint
+    build       the node's model, tokenizer and optimizer (warm start cached)
+    resume      weights, optimizer, RNGs and the algorithm's state from the newest checkpoint
+    eval        at step 0 (before training)
+    for step in first..S:
+        step        the algorithm's own work (`cfg.algorithm.kind`, ftis.algos)
+        eval, log, checkpoint, progress
 
-Resume, Ctrl-C and lost peers are handled here and in ftis.exchange.store (docs/RELIABILITY.md).
-Deviations from the paper are listed in docs/design.md.
+The shell never learns which algorithm it runs (docs/design.md, "One shell, many algorithms").
+Resume, Ctrl-C and lost peers are handled here and in ftis.exchange (docs/RELIABILITY.md).
 """
 
 from __future__ import annotations
@@ -21,42 +19,24 @@ import resource
 import signal
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ftis.algos import get_algorithm
+from ftis.algos.base import NodeContext
 from ftis.config import RunConfig
-from ftis.exchange.base import Exchange, ExchangeAborted
-from ftis.rollout.types import RolloutBatch
+from ftis.exchange.transport import ExchangeAborted, LocalTransport, Transport, TransportLost
 from ftis.tasks import build_task
-from ftis.train import phases
-from ftis.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from ftis.train.evaluate import evaluate
+from ftis.train.checkpoint import load_latest_checkpoint, save_checkpoint
 from ftis.train.metrics import MetricLogger
-from ftis.train.node import Node, build_node
+from ftis.train.node import build_node
+from ftis.train.seeds import node_seed
+from ftis.train.timing import PhaseTimer
 
 log = logging.getLogger(__name__)
-
-
-class PhaseTimer:
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[phase] += time.perf_counter() - t0
-
-    def pop(self) -> dict[str, float]:
-        out = {f"time/{k}": v for k, v in self.seconds.items()}
-        self.seconds.clear()
-        return out
 
 
 @dataclass
@@ -71,7 +51,7 @@ class NodeResult:
 
 
 class SimulatedCrash(BaseException):
-    """`nodes[i].crash_at_step` in a single-node run: escapes like a kill (tests only)."""
+    """`testing.crash_at_step` in a single-node run: escapes like a kill (tests only)."""
 
 
 class StopFlag:
@@ -108,7 +88,7 @@ class StopFlag:
 
 
 # progress(event, **info): "warm" (step, total, loss) during warm start, "step" (step, total,
-# metrics) after each RL step. The CLI turns these into a progress bar.
+# metrics) after each step. The CLI turns these into a progress bar.
 ProgressFn = Callable[..., None]
 
 
@@ -116,23 +96,28 @@ def train_node(
     cfg: RunConfig,
     *,
     rank: int,
-    exchange_factory: Callable[[Node], Exchange],
     run_dir: Path,
+    transport: Transport | None = None,
     progress: ProgressFn | None = None,
     resume: bool = False,
     stop: StopFlag | None = None,
     crash: Callable[[int], None] | None = None,
 ) -> NodeResult:
-    """Train node `rank` of `cfg` to the end (or until `stop`), writing rows and checkpoints
+    """Run node `rank` of `cfg` to the end (or until `stop`), writing rows and checkpoints
     under `run_dir`.
 
-    resume: continue from the node's newest checkpoint (weights, optimizer, RNGs, counters); the
-        caller has already dropped the node's metric rows after that step.
-    crash: called with the step number when `crash_at_step` is reached (default: raise
+    transport: how this node reaches its peers; None = a world of one (training alone).
+    resume: continue from the node's newest valid checkpoint (weights, optimizer, RNGs, the
+        algorithm's state); the caller has already dropped the node's metric rows after that
+        step.
+    crash: called with the step number when `testing.crash_at_step` is reached (default: raise
         SimulatedCrash); worker processes pass one that exits hard.
+
+    Raises TransportLost (after checkpointing) when the transport itself is gone.
     """
     t_start = time.perf_counter()
     stop = stop or StopFlag()
+    transport = transport or LocalTransport()
     node_cfg = cfg.nodes[rank]
     task = build_task(cfg.task)
     node = build_node(
@@ -146,23 +131,35 @@ def train_node(
     setup_seconds = time.perf_counter() - t_start  # model build + warm start (or cache load)
     node_dir = run_dir / "nodes" / node.name
     tc = cfg.train
-    vocab_size = int(node.model.get_input_embeddings().num_embeddings)
-    torch.manual_seed(tc.seed * 7919 + rank)
-    counters = {"generated_tokens_total": 0.0, "skipped_updates_total": 0.0}
-    start = 0
-    ckpt = latest_checkpoint(node_dir) if resume else None
-    if ckpt is not None:
-        state = load_checkpoint(node, ckpt)
-        start = int(state["step"])
-        counters.update(state.get("counters", {}))
-        log.info("node %s: resumed from %s (step %d)", node.name, ckpt, start)
-    exchange = exchange_factory(node)
-    logger = MetricLogger(run_dir, node.name, tensorboard=cfg.log.tensorboard)
+    torch.manual_seed(node_seed(tc.seed, rank))
+    found = load_latest_checkpoint(node, node_dir) if resume else None
+    start, state = (0, {}) if found is None else (int(found[1]["step"]), found[1])
+    if found is not None:
+        log.info("node %s: resumed from %s (step %d)", node.name, found[0], start)
+    # The shell's own running totals: bytes the transport moved, for every algorithm alike.
+    totals = {"bytes_sent_total": 0.0, "bytes_received_total": 0.0}
+    totals.update({k: v for k, v in state.get("counters", {}).items() if k in totals})
     timer = PhaseTimer()
+    algo = get_algorithm(cfg.algorithm.kind).build(
+        NodeContext(
+            cfg=cfg,
+            rank=rank,
+            node=node,
+            task=task,
+            transport=transport,
+            timer=timer,
+            first_step=start + 1,
+        )
+    )
+    if found is not None:
+        # Checkpoints of version 1 kept the F-TIS counters beside the shell's.
+        algo.load_state_dict(state.get("algorithm") or {"counters": state.get("counters", {})})
+    transport.ready()
+    logger = MetricLogger(run_dir, node.name, tensorboard=cfg.log.tensorboard)
 
     def run_eval(step: int) -> dict[str, float]:
         with timer("eval"):
-            return evaluate(node, task, cfg.eval, tc, seed=tc.seed + 104729 * step)
+            return algo.evaluate(step)
 
     def checkpoint(step: int) -> None:
         save_checkpoint(
@@ -170,7 +167,8 @@ def train_node(
             node_dir,
             step,
             keep=cfg.checkpoint.keep,
-            counters=counters,
+            counters=totals,
+            algorithm_state=algo.state_dict(),
         )
 
     last_eval: dict[str, float] = {}
@@ -181,30 +179,31 @@ def train_node(
         if progress:
             progress("step", step=0, total=tc.steps, metrics=first_eval)
 
+    crash_at = cfg.testing.crash_at_step.get(node.name)
     done = start  # the last completed step: its row is logged and its update applied
-    saved = start if ckpt is not None else -1
+    saved = start if found is not None else -1
+    lost: TransportLost | None = None
     try:
         with stop.installed():
             for step in range(start + 1, tc.steps + 1):
                 if stop():
                     break
-                if node_cfg.crash_at_step == step:
+                if crash_at == step:
                     (crash or _raise_crash)(step)
+                sent = transport.stats.copy()
+                t_step = time.perf_counter()
                 try:
-                    metrics = _train_step(
-                        cfg,
-                        node,
-                        task,
-                        exchange,
-                        timer,
-                        step=step,
-                        rank=rank,
-                        vocab_size=vocab_size,
-                        counters=counters,
-                    )
+                    metrics = algo.step(step)
+                except TransportLost as e:
+                    log.error("node %s: step %d dropped: %s", node.name, step, e)
+                    lost = e
+                    break
                 except ExchangeAborted as e:
                     log.warning("node %s: step %d dropped: %s", node.name, step, e)
                     break
+                metrics["train/step_seconds"] = time.perf_counter() - t_step
+                metrics.update(_transport_metrics(transport, sent, totals))
+                metrics["memory/peak_rss_mb"] = peak_rss_mb()
                 metrics["train/elapsed_seconds"] = time.perf_counter() - t_start
                 if step == tc.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                     last_eval = run_eval(step)
@@ -222,7 +221,9 @@ def train_node(
                 checkpoint(done)
     finally:
         logger.close()
-    exchange.close()
+    transport.close()
+    if lost is not None:
+        raise lost
     return NodeResult(
         name=node.name,
         first_eval=first_eval,
@@ -234,6 +235,24 @@ def train_node(
     )
 
 
+def _transport_metrics(transport: Transport, before, totals: dict[str, float]) -> dict[str, float]:
+    """Bytes the transport moved during the step, and since the run began, under the same
+    names for every algorithm (nothing when training alone)."""
+    if transport.world_size == 1:
+        return {}
+    now = transport.stats
+    sent = float(now.bytes_sent - before.bytes_sent)
+    received = float(now.bytes_received - before.bytes_received)
+    totals["bytes_sent_total"] += sent
+    totals["bytes_received_total"] += received
+    return {
+        "exchange/bytes_sent": sent,
+        "exchange/bytes_received": received,
+        "exchange/bytes_sent_total": totals["bytes_sent_total"],
+        "exchange/bytes_received_total": totals["bytes_received_total"],
+    }
+
+
 def peak_rss_mb() -> float:
     """Peak resident memory of this process so far, in MiB (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -241,133 +260,3 @@ def peak_rss_mb() -> float:
 
 def _raise_crash(step: int) -> None:
     raise SimulatedCrash(f"crash_at_step={step}")
-
-
-def _train_step(
-    cfg: RunConfig,
-    node: Node,
-    task,
-    exchange: Exchange,
-    timer: PhaseTimer,
-    *,
-    step: int,
-    rank: int,
-    vocab_size: int,
-    counters: dict[str, float],
-) -> dict[str, float]:
-    """sample -> exchange -> validate -> score -> advantages -> update, for one step."""
-    tc, loss_cfg, node_cfg = cfg.train, node.cfg.loss, node.cfg
-    train_split = task.split("train")
-    t_step = time.perf_counter()
-    with timer("sample"):
-        indices = phases.step_prompts(tc.seed, step, tc.prompts_per_step, len(train_split))
-        mine = phases.assign_prompts(
-            indices, rank=rank, world_size=exchange.world_size, scheme=cfg.sharing.scheme
-        )
-        slots = phases.sample_slots(
-            rank=rank,
-            world_size=exchange.world_size,
-            scheme=cfg.sharing.scheme,
-            group_size=tc.group_size,
-        )
-        own = phases.generate(
-            node, task, [train_split[i] for i in mine], slots=slots, cfg=tc, step=step
-        )
-    with timer("exchange"):
-        outgoing = own
-        if node_cfg.adversary is not None:  # testing/research: a dishonest peer
-            adv_gen = torch.Generator().manual_seed(tc.seed * 1_000_003 + 7919 * step + rank)
-            outgoing = phases.adversarial(
-                own, node_cfg.adversary, vocab_size=vocab_size, generator=adv_gen
-            )
-        received = exchange.all_gather(outgoing)
-        received[rank] = own  # a node trains on its own honest samples
-    with timer("validate"):
-        rejected = 0
-        for peer, b in enumerate(received):
-            if peer == rank or b is None:
-                continue
-            quota = phases.peer_prompt_quota(
-                indices,
-                peer=peer,
-                world_size=exchange.world_size,
-                scheme=cfg.sharing.scheme,
-                group_size=tc.group_size,
-            )
-            why = phases.check_peer_batch(b, quota, train_size=len(train_split))
-            if why is not None:
-                log.warning(
-                    "node %s step %d: rejected rank %d's batch: %s", node.name, step, peer, why
-                )
-                received[peer] = None
-                rejected += 1
-    batch = RolloutBatch.concat([b for b in received if b is not None], node.tokenizer.pad_token_id)
-    with timer("score"):
-        rewards, bad_rewards = phases.finite_rewards(phases.score(task, node.tokenizer, batch))
-    if bad_rewards:
-        log.warning(
-            "node %s step %d: the verifier returned %d non-finite rewards; counted as 0",
-            node.name,
-            step,
-            bad_rewards,
-        )
-    with timer("advantages"):
-        adv = phases.advantages_for(batch, rewards, loss_cfg.advantage_scale)
-    metrics: dict[str, float] = {}
-    with timer("update"):
-        try:
-            upd = phases.update(
-                node, task, batch, adv, loss_cfg=loss_cfg, micro_batch_size=tc.micro_batch_size
-            )
-            metrics.update({f"loss/{k}": v for k, v in upd.items()})
-            metrics["train/skipped_update"] = 0
-        except phases.NonFiniteError as e:
-            log.warning("node %s step %d: update skipped: %s", node.name, step, e)
-            metrics["train/skipped_update"] = 1
-            counters["skipped_updates_total"] += 1
-    metrics["train/skipped_updates_total"] = counters["skipped_updates_total"]
-    metrics["reward/non_finite"] = float(bad_rewards)
-    metrics.update(_reward_metrics(batch, rewards, rank))
-    metrics.update(_exchange_metrics(exchange, own, batch, rejected=rejected))
-    counters["generated_tokens_total"] += own.num_tokens
-    metrics["train/generated_tokens"] = float(own.num_tokens)
-    metrics["train/generated_tokens_total"] = counters["generated_tokens_total"]
-    metrics["train/step_seconds"] = time.perf_counter() - t_step
-    metrics["memory/peak_rss_mb"] = peak_rss_mb()
-    return metrics
-
-
-def _reward_metrics(batch: RolloutBatch, rewards: torch.Tensor, rank: int) -> dict[str, float]:
-    own = batch.generator == rank
-    out = {"reward/mean": float(rewards.mean()) if rewards.numel() else 0.0}
-    if own.any():
-        out["reward/own"] = float(rewards[own].mean())
-    if (~own).any():
-        out["reward/peers"] = float(rewards[~own].mean())
-    out["train/completion_tokens"] = (
-        float(batch.lengths.float().mean()) if batch.num_sequences else 0.0
-    )
-    return out
-
-
-def _exchange_metrics(
-    exchange: Exchange, own: RolloutBatch, batch: RolloutBatch, *, rejected: int = 0
-) -> dict[str, float]:
-    """Wire cost and validation of this step; `rejected` adds the trainer's own rejections
-    (prompt checks) to the decoder's."""
-    if exchange.world_size == 1:
-        return {}
-    s = exchange.last_stats
-    out = {
-        "exchange/bytes_sent": float(s.bytes_sent),
-        "exchange/bytes_received": float(s.bytes_received),
-        "exchange/seconds": s.seconds,
-        "exchange/rejected": float(s.rejected + rejected),
-        "exchange/sequences_received": float(batch.num_sequences - own.num_sequences),
-        # encode_seconds, comm_seconds (includes waiting for slower peers), decode_seconds;
-        # the store transport adds peers (payloads received) and lost_peers (so far)
-        **{f"exchange/{k}": float(v) for k, v in s.extra.items()},
-    }
-    if own.num_tokens:
-        out["exchange/bytes_per_token"] = s.bytes_sent / own.num_tokens
-    return out

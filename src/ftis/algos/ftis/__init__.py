@@ -1,0 +1,1 @@
+"""F-TIS sample exchange: the first algorithm (`algorithm.kind: ftis`)."""

@@ -1,0 +1,212 @@
+"""F-TIS sample exchange: the whole recipe of one step, top to bottom (ftis-method.md).
+
+    sample      this node's share of the step's prompts, G completions each (or G/n: horizontal)
+    exchange    every node's rollouts, tokens + sampler log-probs only
+    validate    a peer's batch may only answer the prompts it was given, within its share
+    score       rewards from this node's own verifier
+    advantages  per group (= per prompt), before any filtering
+    update      receiver log-probs, the node's loss (F-TIS by default), one optimizer step
+
+Deviations from the paper are listed in docs/design.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ftis.algos.base import NodeContext
+from ftis.algos.ftis import sharing
+from ftis.algos.ftis.adversary import adversarial
+from ftis.exchange.codec import RolloutCodec, RolloutExchange
+from ftis.rollout.types import RolloutBatch
+from ftis.train import scoring
+from ftis.train.evaluate import evaluate
+from ftis.train.sampling import generate
+from ftis.train.seeds import adversary_seed, eval_seed
+from ftis.train.update import NonFiniteError, update
+
+log = logging.getLogger(__name__)
+
+
+class FTISAlgorithm:
+    """One node of a sample-exchange run. State: the counters it reports as running totals."""
+
+    def __init__(self, ctx: NodeContext) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.node = ctx.node
+        self.task = ctx.task
+        self.timer = ctx.timer
+        self.rank = ctx.rank
+        self.train_split = ctx.task.split("train")
+        self.vocab_size = int(ctx.node.model.get_input_embeddings().num_embeddings)
+        self.exchange = RolloutExchange(
+            ctx.transport,
+            RolloutCodec(
+                vocab_size=self.vocab_size,
+                max_tokens=ctx.cfg.train.max_new_tokens,
+                pad_id=ctx.node.tokenizer.pad_token_id,
+                logprob_format=ctx.cfg.exchange.logprob_format,
+            ),
+            first_round=ctx.first_step,
+        )
+        if ctx.transport.world_size > 1:
+            log.info("rank %d: log-probs travel as %s", self.rank, self.exchange.codec.describe())
+        self.adversary = ctx.cfg.testing.adversary.get(ctx.node.name)
+        self.counters = {"generated_tokens_total": 0.0, "skipped_updates_total": 0.0}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"counters": dict(self.counters)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.counters.update(state.get("counters", {}))
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        tc = self.cfg.train
+        return evaluate(self.node, self.task, self.cfg.eval, tc, seed=eval_seed(tc.seed, step))
+
+    def step(self, step: int) -> dict[str, float]:
+        tc, scheme = self.cfg.train, self.cfg.sharing.scheme
+        world = self.exchange.world_size
+        with self.timer("sample"):
+            indices = sharing.step_prompts(
+                tc.seed, step, tc.prompts_per_step, len(self.train_split)
+            )
+            mine = sharing.assign_prompts(indices, rank=self.rank, world_size=world, scheme=scheme)
+            slots = sharing.sample_slots(
+                rank=self.rank, world_size=world, scheme=scheme, group_size=tc.group_size
+            )
+            own = generate(
+                self.node,
+                self.task,
+                [self.train_split[i] for i in mine],
+                slots=slots,
+                cfg=tc,
+                step=step,
+            )
+        with self.timer("exchange"):
+            received = self.exchange.all_gather(self._outgoing(own, step))
+            received[self.rank] = own  # a node trains on its own honest samples
+        with self.timer("validate"):
+            rejected = self._validate(received, indices, step)
+        pad_id = self.node.tokenizer.pad_token_id
+        batch = RolloutBatch.concat([b for b in received if b is not None], pad_id)
+        with self.timer("score"):
+            rewards, bad_rewards = scoring.finite_rewards(
+                scoring.score(self.task, self.node.tokenizer, batch)
+            )
+        if bad_rewards:
+            log.warning(
+                "node %s step %d: the verifier returned %d non-finite rewards; counted as 0",
+                self.node.name,
+                step,
+                bad_rewards,
+            )
+        with self.timer("advantages"):
+            lonely = scoring.lonely_groups(batch)
+            skipped_groups = len(set(batch.prompt_index[lonely].tolist()))
+            if skipped_groups:
+                log.warning(
+                    "node %s step %d: skipped %d group(s) with a single completion (a peer's "
+                    "share was lost or rejected)",
+                    self.node.name,
+                    step,
+                    skipped_groups,
+                )
+                batch, rewards = batch.select(~lonely), rewards[~lonely]
+            adv = scoring.advantages_for(batch, rewards, self.node.cfg.loss.advantage_scale)
+        metrics: dict[str, float] = {"train/skipped_groups": float(skipped_groups)}
+        with self.timer("update"):
+            metrics.update(self._update(batch, adv, step))
+        metrics["reward/non_finite"] = float(bad_rewards)
+        metrics.update(_reward_metrics(batch, rewards, self.rank))
+        if world > 1:
+            metrics.update(self._exchange_metrics(own, batch, rejected))
+        self.counters["generated_tokens_total"] += own.num_tokens
+        metrics["train/generated_tokens"] = float(own.num_tokens)
+        metrics["train/generated_tokens_total"] = self.counters["generated_tokens_total"]
+        return metrics
+
+    def _outgoing(self, own: RolloutBatch, step: int) -> RolloutBatch:
+        """What this node sends: its samples, or (testing.adversary) a corrupted copy."""
+        if self.adversary is None:
+            return own
+        gen = torch.Generator().manual_seed(adversary_seed(self.cfg.train.seed, step, self.rank))
+        return adversarial(own, self.adversary, vocab_size=self.vocab_size, generator=gen)
+
+    def _validate(self, received: list[RolloutBatch | None], indices: list[int], step: int) -> int:
+        """Drop (set to None) every peer batch that answers prompts it was not given or sends
+        more than its share; return how many were dropped."""
+        tc = self.cfg.train
+        rejected = 0
+        for peer, b in enumerate(received):
+            if peer == self.rank or b is None:
+                continue
+            quota = sharing.peer_prompt_quota(
+                indices,
+                peer=peer,
+                world_size=self.exchange.world_size,
+                scheme=self.cfg.sharing.scheme,
+                group_size=tc.group_size,
+            )
+            why = sharing.check_peer_batch(b, quota, train_size=len(self.train_split))
+            if why is not None:
+                log.warning(
+                    "node %s step %d: rejected rank %d's batch: %s", self.node.name, step, peer, why
+                )
+                received[peer] = None
+                rejected += 1
+        return rejected
+
+    def _update(self, batch: RolloutBatch, adv: torch.Tensor, step: int) -> dict[str, float]:
+        out: dict[str, float] = {}
+        try:
+            upd = update(
+                self.node,
+                self.task,
+                batch,
+                adv,
+                loss_cfg=self.node.cfg.loss,
+                micro_batch_size=self.cfg.train.micro_batch_size,
+            )
+            out.update({f"loss/{k}": v for k, v in upd.items()})
+            out["train/skipped_update"] = 0
+        except NonFiniteError as e:
+            log.warning("node %s step %d: update skipped: %s", self.node.name, step, e)
+            out["train/skipped_update"] = 1
+            self.counters["skipped_updates_total"] += 1
+        out["train/skipped_updates_total"] = self.counters["skipped_updates_total"]
+        return out
+
+    def _exchange_metrics(
+        self, own: RolloutBatch, batch: RolloutBatch, rejected: int
+    ) -> dict[str, float]:
+        """Rollout-specific exchange figures; the shell adds the transport's bytes."""
+        s = self.exchange.last_stats
+        out = {
+            "exchange/seconds": s.seconds,
+            "exchange/rejected": float(s.rejected + rejected),
+            "exchange/sequences_received": float(batch.num_sequences - own.num_sequences),
+            # encode_seconds, comm_seconds (includes waiting for slower peers), decode_seconds,
+            # peers (payloads received) and lost_peers (so far)
+            **{f"exchange/{k}": float(v) for k, v in s.extra.items()},
+        }
+        if own.num_tokens:
+            out["exchange/bytes_per_token"] = s.bytes_sent / own.num_tokens
+        return out
+
+
+def _reward_metrics(batch: RolloutBatch, rewards: torch.Tensor, rank: int) -> dict[str, float]:
+    own = batch.generator == rank
+    out = {"reward/mean": float(rewards.mean()) if rewards.numel() else 0.0}
+    if own.any():
+        out["reward/own"] = float(rewards[own].mean())
+    if (~own).any():
+        out["reward/peers"] = float(rewards[~own].mean())
+    out["train/completion_tokens"] = (
+        float(batch.lengths.float().mean()) if batch.num_sequences else 0.0
+    )
+    return out

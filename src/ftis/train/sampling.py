@@ -1,0 +1,75 @@
+"""Sampling a node's completions for a step: G completions per prompt with the node's current
+model, driven by noise keyed by (seed, step, prompt) so that who samples a slot never changes
+what is sampled (docs/design.md)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+from ftis.config import TrainConfig
+from ftis.rollout.sampler import sample
+from ftis.rollout.types import RolloutBatch
+from ftis.tasks.base import Problem, Task
+from ftis.train.node import Node
+
+
+def group_noise(
+    seed: int, step: int, prompt_index: int, group_size: int, length: int
+) -> torch.Tensor:
+    """(G, length) uniforms that drive the sampling of one prompt's group at one step.
+
+    Keyed by (seed, step, prompt) only, so a completion slot gets the same randomness whichever
+    node samples it: splitting a step's prompts among identical nodes gives the same samples as
+    one node sampling them all, and a resumed run samples what the uninterrupted one did.
+    """
+    key = hashlib.blake2b(f"ftis-sample:{seed}:{step}:{prompt_index}".encode(), digest_size=8)
+    g = torch.Generator().manual_seed(int.from_bytes(key.digest(), "little") & ((1 << 63) - 1))
+    return torch.rand((group_size, length), generator=g)
+
+
+def generate(
+    node: Node,
+    task: Task,
+    problems: Sequence[Problem],
+    *,
+    slots: tuple[int, int],
+    cfg: TrainConfig,
+    step: int,
+) -> RolloutBatch:
+    """Sample the completion slots `slots` = (first, count) of each problem's group with the
+    node's current model, with the step's per-prompt noise (see `group_noise`)."""
+    tok = node.tokenizer
+    first, num_samples = slots
+    if not problems or num_samples == 0:
+        return RolloutBatch.empty(tok.pad_token_id)
+    prompts = [task.prompt_ids(p, tok) for p in problems]
+    noise = torch.cat(
+        [
+            group_noise(cfg.seed, step, p.index, cfg.group_size, cfg.max_new_tokens)[
+                first : first + num_samples
+            ]
+            for p in problems
+        ]
+    )
+    out = sample(
+        node.model,
+        prompts,
+        num_samples=num_samples,
+        max_new_tokens=cfg.max_new_tokens,
+        eos_id=tok.eos_token_id,
+        pad_id=tok.pad_token_id,
+        temperature=cfg.temperature,
+        noise=noise,
+    )
+    n = out.completion_ids.shape[0]
+    index = torch.tensor([p.index for p in problems], dtype=torch.long)
+    return RolloutBatch(
+        prompt_index=index.repeat_interleave(num_samples),
+        generator=torch.full((n,), node.rank, dtype=torch.long),
+        completion_ids=out.completion_ids.cpu(),
+        lengths=out.lengths.cpu(),
+        sampler_logprobs=out.logprobs.cpu(),
+    )

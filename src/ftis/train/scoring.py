@@ -1,0 +1,45 @@
+"""Rewards and advantages of a step's batch: every node scores every sample with its own
+verifier (a peer's claim is never used), then advantages per group (docs/math.md §2)."""
+
+from __future__ import annotations
+
+import torch
+
+from ftis.core.advantages import flat_group_advantages
+from ftis.rollout.sampler import decode_completions
+from ftis.rollout.types import RolloutBatch
+from ftis.tasks.base import Task
+
+
+def score(task: Task, tokenizer, batch: RolloutBatch) -> torch.Tensor:
+    """(N,) rewards recomputed by this node's own verifier; a peer's claim is never used."""
+    train = task.split("train")
+    texts = decode_completions(tokenizer, batch.completion_ids, batch.lengths)
+    rewards = [task.reward(train[i], text) for i, text in zip(batch.prompt_index.tolist(), texts)]
+    return torch.tensor(rewards, dtype=torch.float32)
+
+
+def advantages_for(batch: RolloutBatch, rewards: torch.Tensor, scale: str) -> torch.Tensor:
+    """Group-relative advantages; a group is every sequence of one prompt (docs/math.md §2)."""
+    return flat_group_advantages(rewards, batch.prompt_index, scale=scale)
+
+
+def finite_rewards(rewards: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(rewards with every NaN/inf replaced by 0, how many were replaced): a verifier that cannot
+    decide gives no reward, and a NaN never reaches the advantages."""
+    bad = ~torch.isfinite(rewards)
+    n_bad = int(bad.sum())
+    return (torch.where(bad, torch.zeros_like(rewards), rewards) if n_bad else rewards), n_bad
+
+
+def lonely_groups(batch: RolloutBatch, *, min_size: int = 2) -> torch.Tensor:
+    """(N,) bool: True for sequences whose group (prompt) has fewer than `min_size` sequences.
+
+    A group of one has no baseline (its std is undefined). It happens under horizontal sharing
+    when a node's own share of a group is one completion and a peer's share was lost or
+    rejected; such groups are skipped (counted by the caller), never allowed to stop the node.
+    """
+    if batch.num_sequences == 0:
+        return torch.zeros(0, dtype=torch.bool)
+    _, inverse, counts = torch.unique(batch.prompt_index, return_inverse=True, return_counts=True)
+    return counts[inverse] < min_size
