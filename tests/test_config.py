@@ -42,6 +42,11 @@ def test_overrides_parse_yaml_values_and_list_indices():
         ("train.stepz=3", "train.stepz", "Extra inputs are not permitted"),
         ("nodes.0.name=a/b", "nodes.0.name", "must be 1-64 letters"),
         ("eval.pass_k=[16]", "eval", "between 1 and eval.pass_samples"),
+        # checked when the config is read, not after every node's warm start
+        ("exchange.logprob_format=bogus", "exchange.logprob_format", "use 'f32' (exact)"),
+        ("exchange.on_store_lost=maybe", "exchange.on_store_lost", "'stop' or 'continue'"),
+        ("algorithm.kind=ppo", "algorithm", "unknown algorithm kind 'ppo'; choose one of"),
+        ("testing.crash_at_step.nobody=2", "testing.crash_at_step", "names unknown nodes"),
     ],
 )
 def test_bad_values_name_the_field(override, field, hint):

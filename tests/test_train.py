@@ -3,10 +3,12 @@ import copy
 import pytest
 import torch
 
+from ftis.algos.ftis import sharing
 from ftis.models.loading import ModelConfig, build_model
 from ftis.rollout.types import RolloutBatch
 from ftis.tasks import ArithmeticTaskConfig, build_task
-from ftis.train import phases
+from ftis.train import sampling, scoring
+from ftis.train import update as update_mod
 from ftis.train.node import Node
 from ftis.warmstart import WarmStartConfig, cache_key, warm_start
 from tests.conftest import tiny_node
@@ -21,7 +23,7 @@ def _node(method="f-tis", lr=1e-3) -> Node:
 def _batch(node: Node, n_prompts=3, g=4) -> RolloutBatch:
     train = TASK.split("train")
     problems = [train[i] for i in range(n_prompts)]
-    return phases.generate(node, TASK, problems, slots=(0, g), cfg=_train_cfg(g), step=1)
+    return sampling.generate(node, TASK, problems, slots=(0, g), cfg=_train_cfg(g), step=1)
 
 
 def _train_cfg(g=4):
@@ -30,8 +32,14 @@ def _train_cfg(g=4):
     return TrainConfig(max_new_tokens=5, group_size=g)
 
 
-def _grads_after_update(node: Node, batch, adv, mb: int) -> list[torch.Tensor]:
+def _grads_after_update(node: Node, batch, adv, mb: int, **kw) -> list[torch.Tensor]:
+    """The accumulated gradients the optimizer would step with, before any clipping: the clip
+    is set out of reach (and checked to be), since clipping to norm 1 would hide a gradient
+    that is off by any factor."""
     node = copy.deepcopy(node)
+    node.cfg = node.cfg.model_copy(
+        update={"optim": node.cfg.optim.model_copy(update={"grad_clip": 1e30})}
+    )
     node.optimizer = torch.optim.SGD(node.model.parameters(), lr=0.0)  # keep grads, move nothing
     captured = {}
     orig_step = node.optimizer.step
@@ -41,8 +49,70 @@ def _grads_after_update(node: Node, batch, adv, mb: int) -> list[torch.Tensor]:
         orig_step()
 
     node.optimizer.step = step
-    phases.update(node, TASK, batch, adv, loss_cfg=node.cfg.loss, micro_batch_size=mb)
+    m = update_mod.update(node, TASK, batch, adv, loss_cfg=node.cfg.loss, micro_batch_size=mb, **kw)
+    assert m["grad_norm"] < 1e30
     return captured["g"]
+
+
+def test_gradient_capture_sees_the_scale_of_the_gradient():
+    """The micro-batch tests compare these gradients: they must change with the loss's scale
+    (a split that doubled the gradient would be caught, unlike after clipping to norm 1)."""
+    node = _node("vis")
+    batch = _batch(node)
+    adv = torch.linspace(-1, 1, batch.num_sequences)
+    once = _grads_after_update(node, batch, adv, mb=0)
+    twice = _grads_after_update(node, batch, 2 * adv, mb=0)
+    norm = torch.sqrt(sum((g**2).sum() for g in once))
+    assert norm > 1.0  # above the default clip: clipping would have hidden the factor 2
+    for a, b in zip(once, twice):
+        torch.testing.assert_close(2 * a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["f-tis", "vis", "nois", "tis"])
+def test_an_update_moves_the_model_toward_the_rewarded_answer(method):
+    """A group where the answer is known: two completions are right, two wrong. After a few
+    updates on it the right completion is more likely and the wrong one less likely."""
+    from ftis.models.logprobs import completion_logprobs
+    from ftis.rollout.sampler import left_pad
+
+    node = _node(method, lr=1e-3)  # 1e-2 overshoots: Adam's first steps are lr * sign(g)
+    tok = node.tokenizer
+    problem = TASK.split("train")[0]
+    wrong = str(int(problem.answer) + 1)
+    texts = [problem.answer, wrong, problem.answer, wrong]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
+    width = max(map(len, ids))
+    completion = torch.tensor([i + [tok.pad_token_id] * (width - len(i)) for i in ids])
+    lengths = torch.tensor([len(i) for i in ids])
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    prompt_ids, prompt_mask = left_pad([TASK.prompt_ids(problem, tok)] * 4, tok.pad_token_id)
+
+    def logprobs() -> torch.Tensor:  # (4, T), this model now
+        with torch.no_grad():
+            lp = completion_logprobs(
+                node.model,
+                prompt_ids=prompt_ids,
+                prompt_mask=prompt_mask,
+                completion_ids=completion,
+                completion_mask=mask.long(),
+            )
+        return torch.where(mask, lp, torch.zeros_like(lp))
+
+    before = logprobs().sum(1)
+    for _ in range(3):
+        batch = RolloutBatch(
+            prompt_index=torch.full((4,), problem.index),
+            generator=torch.zeros(4, dtype=torch.long),
+            completion_ids=completion,
+            lengths=lengths,
+            sampler_logprobs=logprobs(),  # on-policy: sampled by this model
+        )
+        rewards = scoring.score(TASK, tok, batch)
+        assert rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
+        adv = scoring.advantages_for(batch, rewards, "std")
+        update_mod.update(node, TASK, batch, adv, loss_cfg=node.cfg.loss, micro_batch_size=0)
+    after = logprobs().sum(1)
+    assert after[0] > before[0] + 0.05 and after[1] < before[1] - 0.05, (before, after)
 
 
 @pytest.mark.parametrize("method", ["f-tis", "vis", "nois"])
@@ -64,8 +134,8 @@ def test_non_finite_loss_skips_the_update():
     batch = _batch(node)
     before = [p.detach().clone() for p in node.model.parameters()]
     adv = torch.full((batch.num_sequences,), float("nan"))
-    with pytest.raises(phases.NonFiniteError):
-        phases.update(node, TASK, batch, adv, loss_cfg=node.cfg.loss, micro_batch_size=0)
+    with pytest.raises(update_mod.NonFiniteError):
+        update_mod.update(node, TASK, batch, adv, loss_cfg=node.cfg.loss, micro_batch_size=0)
     assert all(torch.equal(a, b) for a, b in zip(before, node.model.parameters()))
     assert all(p.grad is None for p in node.model.parameters())
 
@@ -86,30 +156,30 @@ def test_score_uses_the_receivers_verifier():
         lengths=torch.tensor([len(x) for x in ids]),
         sampler_logprobs=torch.zeros(comp.shape),
     )
-    assert phases.score(TASK, tok, batch).tolist() == [1.0, 0.0]
+    assert scoring.score(TASK, tok, batch).tolist() == [1.0, 0.0]
 
 
 def test_prompt_assignment():
     idx = list(range(10))
-    mine = [phases.assign_prompts(idx, rank=r, world_size=3, scheme="vertical") for r in range(3)]
+    mine = [sharing.assign_prompts(idx, rank=r, world_size=3, scheme="vertical") for r in range(3)]
     assert sorted(i for m in mine for i in m) == idx
     assert all(
-        phases.sample_slots(rank=r, world_size=3, scheme="vertical", group_size=8) == (0, 8)
+        sharing.sample_slots(rank=r, world_size=3, scheme="vertical", group_size=8) == (0, 8)
         for r in range(3)
     )
     assert all(
-        phases.assign_prompts(idx, rank=r, world_size=3, scheme="horizontal") == idx
+        sharing.assign_prompts(idx, rank=r, world_size=3, scheme="horizontal") == idx
         for r in range(3)
     )
     slots = [
-        phases.sample_slots(rank=r, world_size=3, scheme="horizontal", group_size=8)
+        sharing.sample_slots(rank=r, world_size=3, scheme="horizontal", group_size=8)
         for r in range(3)
     ]
     assert slots == [(0, 3), (3, 3), (6, 2)]  # disjoint, covering all G = 8 slots
-    assert phases.step_prompts(0, 5, 8, 10**9) == phases.step_prompts(0, 5, 8, 10**9)
-    assert phases.step_prompts(0, 5, 8, 10**9) != phases.step_prompts(0, 6, 8, 10**9)
+    assert sharing.step_prompts(0, 5, 8, 10**9) == sharing.step_prompts(0, 5, 8, 10**9)
+    assert sharing.step_prompts(0, 5, 8, 10**9) != sharing.step_prompts(0, 6, 8, 10**9)
     with pytest.raises(ValueError, match="prompts_per_step"):
-        phases.step_prompts(0, 1, 20, 10)
+        sharing.step_prompts(0, 1, 20, 10)
 
 
 def test_warm_start_is_cached_and_deterministic(tmp_path, monkeypatch):
@@ -161,7 +231,7 @@ def test_skipping_zero_advantage_sequences_is_exact(method):
             step()
 
         n.optimizer.step = capture
-        m = phases.update(
+        m = update_mod.update(
             n, TASK, batch, adv, loss_cfg=n.cfg.loss, micro_batch_size=5, skip_zero_advantage=skip
         )
         return grads["g"], m
@@ -180,7 +250,7 @@ def test_all_zero_advantages_still_step_adam_like_a_zero_gradient():
     node = _node("f-tis")
     batch = _batch(node)
     # Give Adam momentum first, so a zero-gradient step still moves the weights.
-    phases.update(
+    update_mod.update(
         node,
         TASK,
         batch,
@@ -190,10 +260,10 @@ def test_all_zero_advantages_still_step_adam_like_a_zero_gradient():
     )
     zeros = torch.zeros(batch.num_sequences)
     a, b = copy.deepcopy(node), copy.deepcopy(node)
-    phases.update(
+    update_mod.update(
         a, TASK, batch, zeros, loss_cfg=a.cfg.loss, micro_batch_size=0, skip_zero_advantage=False
     )
-    phases.update(
+    update_mod.update(
         b, TASK, batch, zeros, loss_cfg=b.cfg.loss, micro_batch_size=0, skip_zero_advantage=True
     )
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
@@ -206,13 +276,14 @@ def test_samples_do_not_depend_on_how_prompts_are_split():
     train = TASK.split("train")
     problems = [train[i] for i in range(4)]
     cfg = _train_cfg(4)
-    together = phases.generate(node, TASK, problems, slots=(0, 4), cfg=cfg, step=3)
+    together = sampling.generate(node, TASK, problems, slots=(0, 4), cfg=cfg, step=3)
     parts = [
-        phases.generate(node, TASK, problems[r::2], slots=(0, 4), cfg=cfg, step=3) for r in range(2)
+        sampling.generate(node, TASK, problems[r::2], slots=(0, 4), cfg=cfg, step=3)
+        for r in range(2)
     ]
     # Horizontal: two nodes sampling slots 0-1 and 2-3 of every group.
     halves = [
-        phases.generate(node, TASK, problems, slots=(2 * r, 2), cfg=cfg, step=3) for r in range(2)
+        sampling.generate(node, TASK, problems, slots=(2 * r, 2), cfg=cfg, step=3) for r in range(2)
     ]
 
     def rows(batch, index, width):
@@ -223,7 +294,7 @@ def test_samples_do_not_depend_on_how_prompts_are_split():
         want = rows(together, p.index, 8)
         assert torch.equal(rows(parts[i % 2], p.index, 8), want)
         assert torch.equal(torch.cat([rows(h, p.index, 8) for h in halves]), want)
-    other_step = phases.generate(node, TASK, problems, slots=(0, 4), cfg=cfg, step=4)
+    other_step = sampling.generate(node, TASK, problems, slots=(0, 4), cfg=cfg, step=4)
     assert not torch.equal(rows(other_step, 0, 8), rows(together, 0, 8))
 
 
@@ -235,6 +306,6 @@ def test_nan_logits_while_sampling_never_reach_the_weights():
     assert torch.isnan(batch.sampler_logprobs[batch.mask]).all()
     before = [p.detach().clone() for p in node.model.parameters()]
     adv = torch.linspace(-1, 1, batch.num_sequences)
-    with pytest.raises(phases.NonFiniteError):
-        phases.update(node, TASK, batch, adv, loss_cfg=node.cfg.loss, micro_batch_size=0)
+    with pytest.raises(update_mod.NonFiniteError):
+        update_mod.update(node, TASK, batch, adv, loss_cfg=node.cfg.loss, micro_batch_size=0)
     assert all(torch.equal(a, b) for a, b in zip(before, node.model.parameters()))
