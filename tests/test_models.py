@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -11,6 +13,11 @@ from ftis.models.loading import (
     count_parameters,
     load_tokenizer,
     tokenizer_fingerprint,
+)
+from ftis.models.logprobs import (
+    completion_logprobs,
+    gather_logprobs,
+    shared_prompt_completion_logprobs,
 )
 from ftis.models.presets import PRESETS
 from ftis.models.tokenizer import char_tokenizer
@@ -109,3 +116,63 @@ def test_device_resolution_on_a_cpu_machine():
     with pytest.raises(ModelLoadError, match="CUDA is not available"):
         resolve_device("cuda")
     assert model_device(build_model(ModelConfig(preset="llama-xs"))) == torch.device("cpu")
+
+
+def test_gather_logprobs_scores_the_tempered_distribution():
+    # logits (0, ln 4): at T = 1 the probabilities are (1/5, 4/5); at T = 2 the logits become
+    # (0, ln 2), probabilities (1/3, 2/3); at T = 0.5 (0, ln 16), probabilities (1/17, 16/17).
+    logits = torch.tensor([[[0.0, math.log(4.0)], [0.0, math.log(4.0)]]])  # (N=1, T=2, V=2)
+    targets = torch.tensor([[1, 0]])
+    expected = {
+        1.0: [[math.log(4 / 5), math.log(1 / 5)]],
+        2.0: [[math.log(2 / 3), math.log(1 / 3)]],
+        0.5: [[math.log(16 / 17), math.log(1 / 17)]],
+    }
+    for temperature, want in expected.items():
+        got = gather_logprobs(logits, targets, temperature=temperature)
+        # fp32 on O(1) numbers: a few ulps.
+        torch.testing.assert_close(got, torch.tensor(want), atol=1e-6, rtol=0)
+    # The default is T = 1, bit for bit, and low-precision logits are upcast before dividing.
+    assert torch.equal(
+        gather_logprobs(logits, targets), gather_logprobs(logits, targets, temperature=1.0)
+    )
+    half = gather_logprobs(logits.bfloat16(), targets, temperature=2.0)
+    assert half.dtype == torch.float32
+    torch.testing.assert_close(
+        half, gather_logprobs(logits.bfloat16().float(), targets, temperature=2.0)
+    )
+
+
+def test_logprob_functions_reject_a_temperature_that_is_not_positive():
+    model = build_model(ModelConfig(preset="llama-xs"))
+    ids, mask = torch.tensor([[1, 5]]), torch.ones(1, 2, dtype=torch.long)
+    kw = dict(prompt_ids=ids, prompt_mask=mask, completion_ids=ids, completion_mask=mask)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="temperature"):
+            gather_logprobs(
+                torch.zeros(1, 1, 3), torch.zeros(1, 1, dtype=torch.long), temperature=bad
+            )
+        with pytest.raises(ValueError, match="temperature"):
+            completion_logprobs(model, temperature=bad, **kw)
+        with pytest.raises(ValueError, match="temperature"):
+            shared_prompt_completion_logprobs(
+                model, prompt_of=torch.tensor([0]), temperature=bad, **kw
+            )
+
+
+def test_completion_logprobs_at_temperature_one_are_unchanged():
+    model = build_model(ModelConfig(preset="llama-xs", init_seed=2))
+    ids = torch.tensor([[1, 5, 6, 7], [1, 8, 9, 4]])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([ids, ids], dim=1)).logits[:, 3:-1].float()
+        by_hand = torch.log_softmax(logits, dim=-1).gather(-1, ids[..., None]).squeeze(-1)
+        by_hand_tempered = torch.log_softmax(logits / 0.7, dim=-1).gather(-1, ids[..., None])
+        kw = dict(prompt_ids=ids, prompt_mask=mask, completion_ids=ids, completion_mask=mask)
+        default = completion_logprobs(model, **kw)
+        one = completion_logprobs(model, temperature=1.0, **kw)
+        tempered = completion_logprobs(model, temperature=0.7, **kw)
+    assert torch.equal(default, one)
+    # Same fp32 math as log_softmax, another order: 1e-5 nats covers it.
+    torch.testing.assert_close(default, by_hand, atol=1e-5, rtol=0)
+    torch.testing.assert_close(tempered, by_hand_tempered.squeeze(-1), atol=1e-5, rtol=0)

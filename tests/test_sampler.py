@@ -1,13 +1,27 @@
+import math
+
 import pytest
 import torch
 
 from ftis.models.loading import ModelConfig, build_model
-from ftis.models.logprobs import completion_logprobs
+from ftis.models.logprobs import completion_logprobs, shared_prompt_completion_logprobs
 from ftis.models.tokenizer import char_tokenizer
 from ftis.rollout.sampler import left_pad, sample
 
 TOK = char_tokenizer()
 PROMPTS = [TOK.encode(s, add_special_tokens=False) for s in ["12+34=", "5+6=", "100+7=", "9="]]
+
+# Log-probs recorded while sampling (fp32, KV cache, one token at a time) and recomputed by a
+# scoring pass (fp32, one pass) are the same math in a different order: they differ by ~1e-6
+# nats here (an fp32 ulp at |lp| ~ 5 is 5e-7). 1e-4 nats leaves ~100x headroom and means IS
+# ratios exp(lp - glp) within 1e-4 of 1; it is far below a per-token log-prob (~ -4.6 for a
+# near-uniform tiny model over V = 102) and below any error the loss could tolerate: a 1e-2
+# shift fails it (test below), and scoring a T = 0.7 sample at T = 1 is off by ~0.5 nats.
+LOGPROB_ATOL = 1e-4
+
+
+def assert_logprobs_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, atol=LOGPROB_ATOL, rtol=0)
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +56,53 @@ def test_recorded_logprobs_equal_a_full_forward_pass(model, temperature):
             completion_mask=mask.long(),
             temperature=temperature,
         )
-    # fp32 with a KV cache vs one pass: the same math in a different order; 1e-4 nats is far
-    # below anything the loss can notice (IS weights move by 1e-4 relative).
-    torch.testing.assert_close(s.logprobs[mask], full[mask], atol=1e-4, rtol=0)
+    assert_logprobs_close(s.logprobs[mask], full[mask])
     assert (s.logprobs[~mask] == 0).all()
     assert (s.logprobs[mask] <= 0).all()
+    # The same assertion catches a single token off by 1e-2 nats.
+    perturbed = full.clone()
+    perturbed[mask.nonzero()[len(mask.nonzero()) // 2].unbind()] += 1e-2
+    with pytest.raises(AssertionError):
+        assert_logprobs_close(s.logprobs[mask], perturbed[mask])
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_receiver_scores_own_samples_at_ratio_one(model, temperature):
+    """The training update scores its own samples with shared_prompt_completion_logprobs; at the
+    sampling temperature the own-sample ratio exp(lp - glp) is 1 (within LOGPROB_ATOL)."""
+    s = sample(
+        model,
+        PROMPTS,
+        num_samples=3,
+        max_new_tokens=8,
+        eos_id=TOK.eos_token_id,
+        pad_id=TOK.pad_token_id,
+        temperature=temperature,
+        generator=torch.Generator().manual_seed(3),
+    )
+    mask = _mask(s)
+    prompt_of = torch.arange(len(PROMPTS)).repeat_interleave(3)
+    args = dict(
+        prompt_ids=s.prompt_ids[::3],
+        prompt_mask=s.prompt_mask[::3],
+        prompt_of=prompt_of,
+        completion_ids=s.completion_ids,
+        completion_mask=mask.long(),
+    )
+    with torch.no_grad():
+        scored = shared_prompt_completion_logprobs(model, temperature=temperature, **args)
+        untempered = shared_prompt_completion_logprobs(model, **args)
+    assert_logprobs_close(scored[mask], s.logprobs[mask])
+    ratio = torch.exp(scored[mask] - s.logprobs[mask])
+    assert (ratio - 1).abs().max() < 2 * LOGPROB_ATOL  # exp(1e-4) - 1 ~ 1e-4
+    if temperature == 1.0:
+        # Nothing changes at T = 1: the explicit argument is the old default, bit for bit.
+        assert torch.equal(scored, untempered)
+    else:
+        # Scoring a tempered sample without the temperature (the old behaviour) is far off.
+        assert (untempered[mask] - s.logprobs[mask]).abs().max() > 0.1
+        with pytest.raises(AssertionError):
+            assert_logprobs_close(untempered[mask], s.logprobs[mask])
 
 
 def test_shapes_eos_and_padding(model):
@@ -133,25 +189,68 @@ def test_sampling_restores_train_mode(model):
     assert model.training
 
 
-def test_noise_driven_sampling_matches_the_distribution_and_ignores_batch_mates(model):
+def test_noise_driven_sampling_ignores_batch_mates(model):
     kw = dict(max_new_tokens=4, eos_id=TOK.eos_token_id, pad_id=TOK.pad_token_id)
     noise = torch.rand((len(PROMPTS) * 3, 4), generator=torch.Generator().manual_seed(0))
     together = sample(model, PROMPTS, num_samples=3, noise=noise, **kw)
     alone = sample(model, PROMPTS[1:2], num_samples=3, noise=noise[3:6], **kw)
     n = alone.completion_ids.shape[1]
     assert torch.equal(together.completion_ids[3:6, :n], alone.completion_ids)
-    # Inverse-CDF draws follow the model's distribution: first-token frequencies over many rows
-    # match its probabilities (2000 draws: 4 standard errors of a frequency is below 0.05).
+
+
+# Inverse-CDF draws at the stratified points u_k = (k + 1/2) / n, k < n: token v is drawn for
+# the u_k in its CDF interval, of length p_v, which holds n p_v +- 1 of them; fp32 rounding of
+# the two interval ends (~1e-7) can move at most one more point. So every frequency is within
+# 2 / n of its probability, deterministically. With n = 2000 that is 1e-3, 10x below the mean
+# probability 1 / V ~ 0.01 of a near-uniform tiny model (min ~0.005), so a wrong distribution
+# (the untempered one, or 3e-3 of mass moved between two tokens) fails it.
+NUM_DRAWS = 2000
+FREQ_ATOL = 2 / NUM_DRAWS
+
+
+def assert_frequencies_match(freq: torch.Tensor, probs: torch.Tensor) -> None:
+    torch.testing.assert_close(freq, probs, atol=FREQ_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_inverse_cdf_draws_follow_the_tempered_distribution(model, temperature):
     prompt = PROMPTS[0]
-    many = torch.rand((2000, 1), generator=torch.Generator().manual_seed(1))
-    s = sample(model, [prompt], num_samples=2000, max_new_tokens=1, eos_id=-1, pad_id=0, noise=many)
+    stratified = ((torch.arange(NUM_DRAWS) + 0.5) / NUM_DRAWS)[:, None]
+    s = sample(
+        model,
+        [prompt],
+        num_samples=NUM_DRAWS,
+        max_new_tokens=1,
+        eos_id=-1,
+        pad_id=0,
+        noise=stratified,
+        temperature=temperature,
+    )
     with torch.no_grad():
-        probs = model(input_ids=torch.tensor([prompt])).logits[0, -1].softmax(-1)
-    freq = torch.bincount(s.completion_ids[:, 0], minlength=probs.shape[0]).float() / 2000
-    assert (freq - probs).abs().max() < 0.05
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+    probs = torch.softmax(logits / temperature, dim=-1)
+    freq = torch.bincount(s.completion_ids[:, 0], minlength=probs.shape[0]).float() / NUM_DRAWS
+    assert_frequencies_match(freq, probs)
+    # The recorded log-prob of each draw is that of the tempered distribution.
+    assert_logprobs_close(s.logprobs[:, 0], probs.log()[s.completion_ids[:, 0]])
+    # The check has power: the tolerance is below the probabilities it compares, and a wrong
+    # distribution fails it (the old check, |freq - p| < 0.05, accepted both).
+    assert FREQ_ATOL < probs.min() and FREQ_ATOL < 1 / len(probs) / 5
+    moved = probs.clone()
+    top, bottom = int(probs.argmax()), int(probs.argmin())
+    moved[top] -= 3e-3
+    moved[bottom] += 3e-3
+    with pytest.raises(AssertionError):
+        assert_frequencies_match(freq, moved)
+    if temperature != 1.0:
+        with pytest.raises(AssertionError):
+            assert_frequencies_match(freq, torch.softmax(logits, dim=-1))
+    assert math.isclose(float(freq.sum()), 1.0)
 
 
-@pytest.mark.parametrize(("preset", "lora"), [("llama-xs", False), ("qwen2-s", False), ("llama-xs", True)])
+@pytest.mark.parametrize(
+    ("preset", "lora"), [("llama-xs", False), ("qwen2-s", False), ("llama-xs", True)]
+)
 def test_shared_prompt_scoring_equals_scoring_each_sequence(preset, lora):
     """Running each prompt once and gathering its KV cache gives the unshared pass's log-probs
     and gradients (fp32; 1e-5 covers summation-order differences)."""
@@ -175,10 +274,15 @@ def test_shared_prompt_scoring_equals_scoring_each_sequence(preset, lora):
         m.zero_grad()
         return lp.detach(), grads
 
-    want, g_want = run(completion_logprobs, prompt_ids=prompt_ids[prompt_of],
-                       prompt_mask=prompt_mask[prompt_of])
-    got, g_got = run(shared_prompt_completion_logprobs, prompt_ids=prompt_ids,
-                     prompt_mask=prompt_mask, prompt_of=prompt_of)
+    want, g_want = run(
+        completion_logprobs, prompt_ids=prompt_ids[prompt_of], prompt_mask=prompt_mask[prompt_of]
+    )
+    got, g_got = run(
+        shared_prompt_completion_logprobs,
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        prompt_of=prompt_of,
+    )
     torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=0)
     for a, b in zip(g_got, g_want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -6,6 +6,7 @@ O(1) numbers, so 1e-6 absolute is a few ulps of headroom and still catches any w
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from ftis.core.losses import (
     LOSS_METHODS,
     TOKEN_TERMS,
+    drop_mode_grad_scale,
     filter_sequences,
     policy_loss,
     resolve_method,
@@ -26,6 +28,7 @@ ATOL = 1e-6
 METRIC_NAMES = {
     "loss",
     "filtered_frac",
+    "kept_sequences",
     "is_weight_mean",
     "is_weight_max",
     "truncated_frac",
@@ -170,6 +173,7 @@ def test_f_tis_zero_mode_by_hand() -> None:
     # seq 3: A = 0 -> 0.  N = 4 (filtered ones still count):  L = (-0.01 + 1) / 4.
     close(loss, 0.99 / 4)
     close(metrics["filtered_frac"], 2 / 4)  # seq 1 and seq 3 (A = 0 <= 0, D = K > 50)
+    close(metrics["kept_sequences"], 2.0)
     close(metrics["filter_stat_mean"], 3 * K / 4, atol=1e-4)
     loss.backward()
     # Filtered seq 1 gets no gradient; seq 0: -0.01 * 1 / (2 * 4); seq 2: -1 * -1 / (2 * 4).
@@ -258,6 +262,172 @@ def test_micro_batches_with_global_count_equal_full_batch(method: str, filter_mo
     torch.testing.assert_close(split_grad, full_grad)
 
 
+# ---------------------------------------------------------------------------------------------
+# filter_mode="drop" with micro-batches (docs/math.md §5). The caller only learns the global count
+# of kept sequences after every micro-batch ran, so each micro-batch divides by the batch's total
+# N, reports metrics["kept_sequences"], and the caller rescales the accumulated gradient.
+# ---------------------------------------------------------------------------------------------
+def split(n: int, parts: int) -> list[slice]:
+    """``parts`` contiguous micro-batches of a batch of n sequences (sizes differ by at most 1)."""
+    bounds = [round(k * n / parts) for k in range(parts + 1)]
+    return [slice(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def accumulate_drop_mode(
+    lp: torch.Tensor,
+    glp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    parts: int,
+    **kwargs: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the training update does: one forward/backward per micro-batch with the batch's
+    total N, then the accumulated gradient and loss times ``drop_mode_grad_scale``."""
+    n = lp.shape[0]
+    lp.grad = None
+    loss_sum, kept_total = torch.zeros(()), 0.0
+    for idx in split(n, parts):
+        loss, metrics = policy_loss(
+            lp[idx], glp[idx], adv[idx], mask[idx], filter_mode="drop", num_sequences=n, **kwargs
+        )
+        loss.backward()  # gradients accumulate in lp.grad, as in parameters' .grad
+        loss_sum = loss_sum + loss.detach()
+        kept_total += float(metrics["kept_sequences"])
+    scale = drop_mode_grad_scale(n, kept_total)
+    assert lp.grad is not None
+    grad = lp.grad * scale
+    lp.grad = None
+    return loss_sum * scale, grad
+
+
+def test_drop_mode_micro_batches_by_hand() -> None:
+    lp, glp, adv, mask = filter_example()
+    # Two micro-batches {0, 1} and {2, 3}, each divided by the total N = 4:
+    #   first: seq 0 -> -0.01, seq 1 dropped;  loss -0.01 / 4, kept 1
+    #   second: seq 2 -> 1, seq 3 dropped;     loss 1 / 4,     kept 1
+    # kept_total = 2, scale = 4 / 2 = 2:  L = (0.99 / 4) * 2 = 0.99 / 2, the full-batch "drop"
+    # loss of test_filter_alternative_readings_by_hand.
+    loss, grad = accumulate_drop_mode(lp, glp, adv, mask, parts=2, method="f-tis")
+    close(loss, 0.99 / 2)
+    # Gradient: seq 0 -0.01 * 1 / (2 tokens * 2 kept), seq 2 -1 * -1 / (2 * 2); dropped ones 0.
+    close(grad, [[-0.01 / 4, -0.01 / 4], [0.0, 0.0], [1 / 4, 1 / 4], [0.0, 0.0]])
+    assert drop_mode_grad_scale(4, 2) == 2.0
+    assert drop_mode_grad_scale(4, 4) == 1.0  # nothing dropped: the total N was right
+    assert drop_mode_grad_scale(0, 0) == 1.0  # empty batch
+
+
+@pytest.mark.parametrize("method", ["f-tis", "f-vis", "f-nois", "tis"])
+def test_drop_mode_gradient_does_not_depend_on_the_split(method: str) -> None:
+    lp, glp, adv, mask = random_batch(seed=3, n=8, spread=8.0)
+    kwargs = {"method": method, "filter_threshold": 5.0}
+    # Reference: one call over the whole batch, N = the batch's kept count.
+    full, _ = policy_loss(lp, glp, adv, mask, filter_mode="drop", **kwargs)
+    (full_grad,) = torch.autograd.grad(full, lp)
+    if method.startswith("f-"):
+        divergence = sequence_divergence(logprobs=lp, sampler_logprobs=glp, mask=mask)
+        kept = ~filter_sequences(advantages=adv, divergence=divergence, threshold=5.0)
+        assert 0 < int(kept.sum()) < 8, "the example should filter some but not all"
+    for parts in (1, 2, 4):
+        loss, grad = accumulate_drop_mode(lp, glp, adv, mask, parts=parts, **kwargs)
+        torch.testing.assert_close(loss, full)
+        torch.testing.assert_close(grad, full_grad)
+
+
+def test_drop_mode_without_a_global_count_depends_on_the_split() -> None:
+    """Why the contract above exists: with each micro-batch normalised by its own kept count
+    (num_sequences=None, the authors' per-micro-batch code), the accumulated gradient is a sum
+    of micro-batch means and grows with the number of micro-batches."""
+    lp, glp, adv, mask = random_batch(seed=3, n=8, spread=8.0)
+    grads = []
+    for parts in (1, 2, 4):
+        lp.grad = None
+        for idx in split(8, parts):
+            loss, _ = policy_loss(
+                lp[idx],
+                glp[idx],
+                adv[idx],
+                mask[idx],
+                method="f-tis",
+                filter_threshold=5.0,
+                filter_mode="drop",
+            )
+            loss.backward()
+        assert lp.grad is not None
+        grads.append(lp.grad.clone())
+    lp.grad = None
+    norms = [float(g.norm()) for g in grads]
+    assert norms[0] < norms[1] < norms[2], norms  # here about 1 : 2 : 4
+    # By hand on the filter example: micro-batches {0, 1} and {2, 3} each keep one sequence,
+    # so each is divided by 1: L = -0.01 + 1 = 0.99, twice the batch's 0.99 / 2.
+    lp4, glp4, adv4, mask4 = filter_example()
+    parts = [
+        policy_loss(lp4[i], glp4[i], adv4[i], mask4[i], method="f-tis", filter_mode="drop")[0]
+        for i in (slice(0, 2), slice(2, 4))
+    ]
+    close(sum(parts), 0.99)
+
+
+# ---------------------------------------------------------------------------------------------
+# filter_stat_norm="padded" with micro-batches (docs/math.md §5): D_i divides by the whole batch's
+# padded width, passed as padded_width, not by the micro-batch's trimmed width.
+# ---------------------------------------------------------------------------------------------
+def test_padded_width_by_hand() -> None:
+    lp, glp, _, mask = filter_example()
+    # seq 3 has one token with k = K. Alone in a micro-batch trimmed to width 1, T = 1 gives
+    # D = K > 50; with the batch's padded width 2 it is K / 2 ~ 47.2 < 50, as in the full batch.
+    alone = {"logprobs": lp[3:, :1], "sampler_logprobs": glp[3:, :1], "mask": mask[3:, :1]}
+    close(sequence_divergence(norm="padded", **alone), [K], atol=1e-4)
+    close(sequence_divergence(norm="padded", padded_width=2, **alone), [K / 2], atol=1e-4)
+    close(sequence_divergence(norm="padded", padded_width=8, **alone), [K / 8], atol=1e-4)
+    # Ignored by the default norm: D = mean over the sequence's own token.
+    close(sequence_divergence(norm="sequence", padded_width=8, **alone), [K], atol=1e-4)
+
+
+def test_padded_filter_decision_does_not_depend_on_the_micro_batch() -> None:
+    # Lengths 1..8 in a batch of padded width 8; every token has d = glp - lp ~ 1.6, so
+    # k ~ e^1.6 - 1.6 - 1 ~ 2.35 and D_i ~ 2.35 * len_i / width. With g = 1 and the batch's
+    # width 8 the sequences of length >= 4 are filtered; a micro-batch trimmed to width 4 or
+    # less would filter every sequence of length >= 2 instead.
+    gen = torch.Generator().manual_seed(11)
+    n, width = 8, 8
+    lp = (-torch.rand(n, width, generator=gen) * 3).requires_grad_()
+    glp = lp.detach() + 1.6 + 0.1 * torch.randn(n, width, generator=gen)
+    adv = -torch.rand(n, generator=gen)  # all <= 0: every sequence is a filter candidate
+    lengths = torch.arange(1, n + 1)
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    g = 1.0
+    kwargs = {"method": "f-tis", "filter_threshold": g, "filter_stat_norm": "padded"}
+
+    divergence = sequence_divergence(logprobs=lp, sampler_logprobs=glp, mask=mask, norm="padded")
+    expected = filter_sequences(advantages=adv, divergence=divergence, threshold=g)
+    assert 0 < int(expected.sum()) < n, "the example should filter some but not all"
+    full, _ = policy_loss(lp, glp, adv, mask, **kwargs)
+    (full_grad,) = torch.autograd.grad(full, lp)
+
+    for parts in (2, 4, 8):
+        lp.grad = None
+        total = torch.zeros(())
+        trimmed_decisions = []
+        for idx in split(n, parts):
+            t = int(lengths[idx].max())  # the micro-batch trimmed to its longest sequence
+            part = (lp[idx, :t], glp[idx, :t], adv[idx], mask[idx, :t])
+            loss, metrics = policy_loss(*part, num_sequences=n, padded_width=width, **kwargs)
+            loss.backward()
+            total = total + loss.detach()
+            # The micro-batch keeps what the full batch keeps of it (with parts = n, one
+            # sequence per micro-batch: each sequence's own decision).
+            assert metrics["kept_sequences"] == float((~expected[idx]).sum())
+            _, trimmed = policy_loss(*part, num_sequences=n, **kwargs)  # T = trimmed width
+            trimmed_decisions.append(trimmed["kept_sequences"])
+        torch.testing.assert_close(total, full.detach())
+        assert lp.grad is not None
+        torch.testing.assert_close(lp.grad, full_grad)
+        # Without padded_width, short sequences in narrow micro-batches get larger D_i and more
+        # of them are filtered: the decision depends on the split.
+        assert float(sum(trimmed_decisions)) < n - int(expected.sum())
+    lp.grad = None
+
+
 @pytest.mark.parametrize("method", sorted(LOSS_METHODS))
 def test_empty_mask_rows_give_zero_and_finite_grads(method: str) -> None:
     garbage = [float("nan"), float("inf"), -float("inf")]
@@ -277,6 +447,8 @@ def test_empty_mask_rows_give_zero_and_finite_grads(method: str) -> None:
     assert torch.equal(loss.detach(), torch.zeros(()))
     (grad,) = torch.autograd.grad(loss, lp)
     assert torch.equal(grad, torch.zeros(2, 3))
+    # Empty sequences have D = 0, so none is filtered: both are kept (and contribute 0).
+    assert torch.equal(metrics.pop("kept_sequences"), torch.tensor(2.0))
     assert all(torch.equal(v, torch.zeros(())) for v in metrics.values())
 
 
@@ -345,6 +517,16 @@ def test_invalid_inputs_raise() -> None:
         policy_loss(lp, glp, adv, mask, filter_stat_norm="group")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_sequences"):
         policy_loss(lp, glp, adv, mask, num_sequences=1)  # fewer than the 2 local sequences
+    with pytest.raises(ValueError, match="padded_width"):
+        policy_loss(lp, glp, adv, mask, filter_stat_norm="padded", padded_width=0)
+    with pytest.raises(ValueError, match="padded_width"):
+        sequence_divergence(logprobs=lp, sampler_logprobs=glp, mask=mask, padded_width=2.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="kept_total"):
+        drop_mode_grad_scale(4, 5)  # more kept than there are sequences
+    with pytest.raises(ValueError, match="kept_total"):
+        drop_mode_grad_scale(4, 1.5)
+    with pytest.raises(ValueError, match="num_sequences"):
+        drop_mode_grad_scale(-1, 0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,12 @@ Structure:
 Where this deviates from the authors' code (docs/math.md §5): defaults follow the paper
 (g = 50, k averaged over the sequence's own tokens, filtered sequences zeroed not dropped);
 the authors' choices are options (``filter_stat_norm="padded"``, ``filter_mode="drop"``).
+
+Micro-batches (docs/math.md §3, §5): every normalisation that spans sequences takes a global
+quantity as an argument (``num_sequences``, ``padded_width``), so the result does not depend on
+how a batch is split. Under ``filter_mode="drop"`` the global count of kept sequences is only
+known after every micro-batch ran; :func:`drop_mode_grad_scale` gives the factor that fixes the
+accumulated gradient afterwards.
 """
 
 from __future__ import annotations
@@ -127,24 +133,30 @@ def sequence_divergence(
     sampler_logprobs: Tensor,
     mask: Tensor,
     norm: FilterStatNorm = "sequence",
+    padded_width: int | None = None,
 ) -> Tensor:
     """Per-sequence divergence D_i from the k3 estimator (docs/math.md §4), without grad.
 
     ``k = exp(glp - lp) - (glp - lp) - 1 >= 0`` per token; ``D_i`` is the sum of k over the
     sequence's masked tokens divided by ``|a_i|`` (``norm="sequence"``, default) or by the padded
-    width T (``norm="padded"``, the authors' code). Empty sequences give 0.
+    width (``norm="padded"``, the authors' code, docs/math.md §5). Empty sequences give 0.
 
     Args:
         logprobs: (N, T) receiver's log-probs (grad is ignored).
         sampler_logprobs: (N, T) generator's log-probs.
         mask: (N, T) bool, True = token counts.
         norm: "sequence" or "padded".
+        padded_width: the width D_i is divided by under ``norm="padded"``: the padded width of
+            the whole batch when these tensors are a micro-batch trimmed to its own longest
+            sequence, so that D_i does not depend on the split. None: T = ``mask.shape[1]``.
+            Ignored under ``norm="sequence"``.
 
     Returns:
         (N,) D_i, fp32 or wider, no grad.
     """
     if norm not in FILTER_STAT_NORMS:
         raise ValueError(f"filter_stat_norm must be one of {FILTER_STAT_NORMS}, got {norm!r}")
+    _check_padded_width(padded_width)
     with torch.no_grad():
         lp = _masked_float(logprobs, mask)
         glp = _masked_float(sampler_logprobs, mask)
@@ -155,7 +167,8 @@ def sequence_divergence(
         k = (torch.expm1(d) - d).clamp(min=0.0)
         total = torch.where(mask, k, torch.zeros_like(k)).sum(dim=1)
         if norm == "padded":
-            return total / max(mask.shape[1], 1)
+            width = mask.shape[1] if padded_width is None else padded_width
+            return total / max(width, 1)
         return total / mask.sum(dim=1).clamp(min=1).to(total.dtype)
 
 
@@ -183,6 +196,7 @@ def policy_loss(
     filter_stat_norm: FilterStatNorm = "sequence",
     filter_mode: FilterMode = "zero",
     num_sequences: int | None = None,
+    padded_width: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The policy loss of docs/math.md §3-§5.
 
@@ -200,24 +214,35 @@ def policy_loss(
         clip_eps: eps_c, the VIS clip range, in [0, 1).
         filter_threshold: g, the filter threshold on D_i.
         filter_stat_norm: "sequence" (default: mean k over the sequence's own tokens) or
-            "padded" (sum over the sequence divided by T, the authors' code), §5.
+            "padded" (sum over the sequence divided by the padded width, the authors' code), §5.
         filter_mode: "zero" (default: a filtered sequence's advantage becomes 0, it still counts
             in N) or "drop" (it is also removed from N, the authors' code), §5.
         num_sequences: the global N when a batch is split into micro-batches: each micro-batch
-            loss is divided by it, so summing the micro-batch losses gives the full-batch loss
-            and gradient. None: the local N. With ``filter_mode="drop"`` it must already exclude
-            the filtered sequences of the whole batch (count them with :func:`filter_sequences`).
+            loss is the sum of its per-sequence losses divided by it, so summing the micro-batch
+            losses gives the full-batch loss and gradient. None: the local N (under "drop": the
+            local count of kept sequences, which makes the accumulated gradient depend on the
+            split). Under ``filter_mode="drop"`` pass the batch's total N (filtered sequences
+            included) to every micro-batch, sum ``metrics["kept_sequences"]`` over them, and
+            multiply the accumulated gradient and loss by
+            ``drop_mode_grad_scale(num_sequences, kept_total)`` (docs/math.md §5). Passing the
+            batch's global kept count instead (if known beforehand) also works; the scale is 1.
+        padded_width: under ``filter_stat_norm="padded"``, the width D_i is divided by: pass
+            the whole batch's padded width when these tensors are a micro-batch trimmed to its
+            own longest completion. None: T = ``logprobs.shape[1]``. Ignored otherwise.
 
     Returns:
         ``(loss, metrics)``: loss a scalar tensor (fp32 or wider); metrics 0-dim tensors without
-        grad: ``loss``, ``filtered_frac``, ``is_weight_mean``, ``is_weight_max`` (ratio
-        ``exp(lp - glp)`` over masked tokens, before truncation), ``truncated_frac`` (masked
-        tokens with ratio > C), ``clip_frac`` (VIS only, else 0), ``filter_stat_mean`` (mean
-        D_i over non-empty sequences, reported for every method).
+        grad: ``loss``, ``filtered_frac``, ``kept_sequences`` (number of sequences of this call
+        not filtered, as a float; all of them for methods without the "f-" prefix),
+        ``is_weight_mean``, ``is_weight_max`` (ratio ``exp(lp - glp)`` over masked tokens,
+        before truncation), ``truncated_frac`` (masked tokens with ratio > C), ``clip_frac``
+        (VIS only, else 0), ``filter_stat_mean`` (mean D_i over non-empty sequences, reported
+        for every method).
     """
     term_name, use_filter = resolve_method(method)
     _check_inputs(logprobs, sampler_logprobs, advantages, mask)
     _check_options(is_cap, clip_eps, filter_threshold, filter_stat_norm, filter_mode)
+    _check_padded_width(padded_width)
     num_local = logprobs.shape[0]
     _check_num_sequences(num_sequences, num_local, filter_mode)
 
@@ -227,7 +252,11 @@ def policy_loss(
     log_ratio = (lp - glp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
     divergence = sequence_divergence(
-        logprobs=lp, sampler_logprobs=glp, mask=mask, norm=filter_stat_norm
+        logprobs=lp,
+        sampler_logprobs=glp,
+        mask=mask,
+        norm=filter_stat_norm,
+        padded_width=padded_width,
     )
     if use_filter:
         filtered = filter_sequences(
@@ -259,6 +288,37 @@ def policy_loss(
         is_cap=is_cap,
     )
     return loss, metrics
+
+
+def drop_mode_grad_scale(num_sequences: int, kept_total: float | int | Tensor) -> float:
+    """The factor that turns ``filter_mode="drop"`` micro-batch losses into the batch's loss.
+
+    Each micro-batch loss was divided by ``num_sequences`` (the same for all of them, normally
+    the batch's total N), but under "drop" the batch loss divides by the number of sequences
+    kept over the whole batch, known only after every micro-batch ran (docs/math.md §5). Since
+    gradients are linear in the loss, multiplying the accumulated gradients (and the summed
+    loss) by ``max(num_sequences, 1) / max(kept_total, 1)`` gives exactly
+    ``(1 / kept_total) sum_{kept i} loss_i``, whatever the split. Apply it before clipping.
+
+    >>> drop_mode_grad_scale(8, 6)
+    1.3333333333333333
+    >>> drop_mode_grad_scale(8, 0)  # everything dropped: the gradient is 0 whatever the factor
+    8.0
+
+    Args:
+        num_sequences: the ``num_sequences`` passed to every micro-batch's :func:`policy_loss`.
+        kept_total: the sum over micro-batches of ``metrics["kept_sequences"]``.
+    """
+    if isinstance(num_sequences, bool) or not isinstance(num_sequences, int) or num_sequences < 0:
+        raise ValueError(f"num_sequences must be an int >= 0, got {num_sequences!r}")
+    kept = float(kept_total)
+    if not 0 <= kept <= max(num_sequences, 0) or kept != round(kept):
+        raise ValueError(
+            f"kept_total must be a whole number in [0, num_sequences={num_sequences}], got "
+            f"{kept_total!r}; it is the sum of metrics['kept_sequences'] over the micro-batches "
+            "that were each called with this num_sequences"
+        )
+    return max(num_sequences, 1) / max(kept, 1.0)
 
 
 def _aggregate(per_token: Tensor, mask: Tensor) -> Tensor:
@@ -307,6 +367,7 @@ def _metrics(
         return {
             "loss": loss.detach(),
             "filtered_frac": _safe_mean(filtered, torch.ones_like(filtered)),
+            "kept_sequences": (~filtered).sum().to(loss.dtype),
             "is_weight_mean": masked_ratio.sum() / num_tokens.clamp(min=1),
             "is_weight_max": masked_ratio.amax() if masked_ratio.numel() > 0 else zero,
             "truncated_frac": _safe_mean(ratio > is_cap, mask),
@@ -368,6 +429,16 @@ def _check_num_sequences(num_sequences: int | None, num_local: int, filter_mode:
         raise ValueError(
             f"num_sequences (the global N) must be >= {minimum}, the number of sequences in "
             f"this micro-batch, got {num_sequences}"
+        )
+
+
+def _check_padded_width(padded_width: int | None) -> None:
+    if padded_width is None:
+        return
+    if isinstance(padded_width, bool) or not isinstance(padded_width, int) or padded_width < 1:
+        raise ValueError(
+            f"padded_width must be an int >= 1 (the whole batch's padded completion width) or "
+            f"None, got {padded_width!r}"
         )
 
 

@@ -2,6 +2,11 @@
 
 Layout used throughout ftis: prompts left-padded to width P, completions right-padded to width T,
 so every completion starts at column P and one forward pass serves the whole batch.
+
+Temperature (docs/math.md §7): every function takes ``temperature`` and scores the tempered
+distribution ``softmax(logits / temperature)``, the one the sampler (ftis.rollout.sampler) draws
+from and records, as TRL and verl do. A node that samples with temperature T must score with the
+same T, or the ratio ``exp(logprobs - sampler_logprobs)`` on its own samples is not 1.
 """
 
 from __future__ import annotations
@@ -16,12 +21,28 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[targets] in fp32 without materialising the full (.., V) log-softmax.
+def _check_temperature(temperature: float) -> None:
+    if not (isinstance(temperature, (int, float)) and 0 < temperature < float("inf")):
+        raise ValueError(
+            f"temperature must be a finite number > 0, got {temperature!r}; greedy decoding "
+            "(temperature 0) samples no distribution, so its tokens have no tempered log-prob "
+            "(score them with temperature=1.0 for the model's own log-probs)"
+        )
 
-    logits (N, T, V) any float dtype, targets (N, T) int64 -> (N, T) float32.
+
+def gather_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0
+) -> torch.Tensor:
+    """log softmax(logits / temperature)[targets] in fp32 without materialising the full (.., V)
+    log-softmax.
+
+    logits (N, T, V) any float dtype, targets (N, T) int64 -> (N, T) float32. The division is
+    done in fp32, after the upcast, exactly as the sampler does it.
     """
+    _check_temperature(temperature)
     logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
 
@@ -35,13 +56,15 @@ def completion_logprobs(
     completion_mask: torch.Tensor,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Log-probs of each completion token under ``model``.
+    """Log-probs of each completion token under ``model`` at ``temperature``
+    (``log softmax(logits / temperature)``; 1.0: the model's own log-probs).
 
     prompt_ids/prompt_mask (N, P) left-padded; completion_ids/completion_mask (N, T) right-padded.
     Inputs may live on any device; they are moved to the model's. Returns (N, T) float32 on the
     model's device, with gradient (if enabled); values at masked positions are finite but
     meaningless.
     """
+    _check_temperature(temperature)
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     completion_ids, completion_mask = completion_ids.to(device), completion_mask.to(device)
@@ -56,9 +79,7 @@ def completion_logprobs(
     )
     # Logits at column j predict token j+1: columns P-1 .. P+T-2 predict the completion.
     logits = out.logits[:, p - 1 : -1, :]
-    if temperature != 1.0:
-        logits = logits.float() / temperature
-    return gather_logprobs(logits, completion_ids)
+    return gather_logprobs(logits, completion_ids, temperature=temperature)
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -75,6 +96,7 @@ def shared_prompt_completion_logprobs(
     prompt_of: torch.Tensor,
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """`completion_logprobs` for N completions that share U < N prompts, running each prompt
     through the model once.
@@ -85,26 +107,47 @@ def shared_prompt_completion_logprobs(
     rows (`prompt_of` (N,) int64: row i continues prompt prompt_of[i]) and the completions
     (N, T) run on top of it. The math is the same as the unshared pass (the gradient reaches
     the prompt's activations from every completion that attends to it); only the repeated
-    prompt work is gone. Returns (N, T) float32.
+    prompt work is gone. `temperature` as in `completion_logprobs`: pass the sampling
+    temperature. Returns (N, T) float32.
     """
     from transformers import DynamicCache
 
+    _check_temperature(temperature)
     device = next(model.parameters()).device
-    prompt_ids, prompt_mask, prompt_of = prompt_ids.to(device), prompt_mask.to(device), prompt_of.to(device)
+    prompt_ids, prompt_mask, prompt_of = (
+        prompt_ids.to(device),
+        prompt_mask.to(device),
+        prompt_of.to(device),
+    )
     completion_ids, completion_mask = completion_ids.to(device), completion_mask.to(device)
     cache = DynamicCache()
     cache_kw = {_cache_kwarg(model): cache}
     prompt_pos = position_ids_from_mask(prompt_mask)
-    first = model(input_ids=prompt_ids, attention_mask=prompt_mask.long(), position_ids=prompt_pos,
-                  use_cache=True, logits_to_keep=1, **cache_kw)
+    first = model(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask.long(),
+        position_ids=prompt_pos,
+        use_cache=True,
+        logits_to_keep=1,
+        **cache_kw,
+    )
     # The last prompt position predicts the first completion token.
     logits = [first.logits[:, -1:, :][prompt_of]]
     t = completion_ids.shape[1]
     if t > 1:
         cache.batch_select_indices(prompt_of)
         attn = torch.cat([prompt_mask[prompt_of], completion_mask[:, : t - 1]], dim=1).long()
-        pos = prompt_pos[prompt_of, -1:] + 1 + torch.arange(t - 1, device=completion_ids.device)[None, :]
-        rest = model(input_ids=completion_ids[:, : t - 1], attention_mask=attn, position_ids=pos,
-                     use_cache=True, **cache_kw)
+        pos = (
+            prompt_pos[prompt_of, -1:]
+            + 1
+            + torch.arange(t - 1, device=completion_ids.device)[None, :]
+        )
+        rest = model(
+            input_ids=completion_ids[:, : t - 1],
+            attention_mask=attn,
+            position_ids=pos,
+            use_cache=True,
+            **cache_kw,
+        )
         logits.append(rest.logits)
-    return gather_logprobs(torch.cat(logits, dim=1), completion_ids)
+    return gather_logprobs(torch.cat(logits, dim=1), completion_ids, temperature=temperature)

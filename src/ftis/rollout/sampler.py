@@ -2,7 +2,8 @@
 
 The log-prob recorded for a token is the one of the distribution it was drawn from (logits divided
 by the temperature), in fp32: exactly what the F-TIS loss needs as `sampler_logprobs`, with no
-second scoring pass (docs/math.md §7).
+second scoring pass (docs/math.md §7). The receiver must score the same tempered distribution:
+pass the sampling temperature to the functions of ftis.models.logprobs.
 """
 
 from __future__ import annotations
@@ -67,11 +68,15 @@ def sample(
     share the batch, so splitting prompts among identical nodes changes nothing. Without
     `noise`, the uniforms are drawn (on the CPU) from `generator`.
 
-    With temperature 0 the recorded log-probs are the model's own (temperature 1) log-probs of
-    the greedy tokens.
+    With temperature T > 0 the recorded log-probs are ``log softmax(logits / T)`` of the sampled
+    tokens; score them with ``completion_logprobs(..., temperature=T)`` (or the shared-prompt
+    variant) so that a node's own samples have ratio 1. With temperature 0 the recorded
+    log-probs are the model's own (temperature 1) log-probs of the greedy tokens.
     """
     if num_samples < 1 or max_new_tokens < 1:
         raise ValueError("num_samples and max_new_tokens must be >= 1")
+    if not 0 <= temperature < float("inf"):
+        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature!r}")
     if noise is not None and noise.shape != (len(prompts) * num_samples, max_new_tokens):
         raise ValueError(
             f"noise must have shape ({len(prompts) * num_samples}, {max_new_tokens}), "
