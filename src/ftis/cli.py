@@ -111,10 +111,14 @@ def run(
                     "continue it"
                 )
             shutil.rmtree(run_dir)
+    try:
         run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(
-        yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-    )
+        (run_dir / "config.yaml").write_text(
+            yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+        )
+    except OSError as e:
+        hint = "" if resume is not None else "; choose another --out"
+        _fail(f"cannot write the run directory {run_dir}: {e.strerror or e}{hint}")
 
     from ftis.launch import run_local
     from ftis.launch.multi import LaunchError, NodesLostError
@@ -246,10 +250,27 @@ def sweep(
 
 @app.command()
 def bench(
-    quick: Annotated[bool, typer.Option("--quick", help="A short version (about a minute).")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
-    out: Annotated[Path | None, typer.Option("--out", help="Markdown report (default docs/BENCHMARKS.md for a full run, none for --quick).")] = None,
-    threads: Annotated[int, typer.Option("--threads", min=1, help="Torch threads per process (1 keeps ratios stable on a busy machine).")] = 1,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="A short version (about a minute).")
+    ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the summary as one JSON object.")
+    ] = False,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            help="Markdown report (default docs/BENCHMARKS.md for a full run, none for --quick).",
+        ),
+    ] = None,
+    threads: Annotated[
+        int,
+        typer.Option(
+            "--threads",
+            min=1,
+            help="Torch threads per process (1 keeps ratios stable on a busy machine).",
+        ),
+    ] = 1,
 ) -> None:
     """Benchmarks side by side (ftis vs TRL, sampler vs generate, wire cost, scaling, memory).
 
@@ -259,8 +280,10 @@ def bench(
     _setup_logging(False)
     repo = Path(__file__).resolve().parents[2]
     if not (repo / "bench" / "run.py").exists():
-        _fail("ftis bench needs a source checkout (the bench/ folder beside src/): "
-              "git clone the project and pip install -e '.[dev]'")
+        _fail(
+            "ftis bench needs a source checkout (the bench/ folder beside src/): "
+            "git clone the project and pip install -e '.[dev]'"
+        )
     sys.path.insert(0, str(repo))
     from bench.run import flat_summary
     from bench.run import main as bench_main

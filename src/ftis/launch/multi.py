@@ -5,18 +5,22 @@ nodes exchange samples through a TCP key-value store that this parent process ho
 Why not torch's launcher: torchrun tears every worker down when one fails. Here a node that dies
 is only marked as gone in the store (its peers stop waiting for it at once and carry on), and
 the run's report is written from the nodes that finished. The parent draws progress from the
-nodes' status files, forwards Ctrl-C to the nodes (each writes a checkpoint), and reports their
-errors.
+nodes' status files, forwards SIGINT and SIGTERM to the nodes (each writes a checkpoint), and
+reports their errors. On Linux a node also gets SIGTERM when the parent dies, even by SIGKILL.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +31,8 @@ from ftis.config import RunConfig
 from ftis.exchange.store import HOSTED_ENV, host_store, mark_left
 
 INTERRUPTED = 130
+GRACE_S = 120.0  # how long stopped nodes may take to checkpoint before they are killed
+_PR_SET_PDEATHSIG = 1
 
 
 class LaunchError(RuntimeError):
@@ -79,12 +85,78 @@ def worker_command(run_dir: Path, *, resume: bool = False) -> list[str]:
     return cmd + (["--resume"] if resume else [])
 
 
+class _Stop:
+    """SIGINT and SIGTERM to the launcher (Ctrl-C, `kill`, `docker stop`, a job scheduler): the
+    handler only records them; the watch loop passes each on to every live node, then kills the
+    nodes still running GRACE_S after the first."""
+
+    def __init__(self) -> None:
+        self.pending: list[int] = []
+        self.deadline: float | None = None
+
+    def __call__(self, signum: int, frame=None) -> None:
+        self.pending.append(signum)
+        if self.deadline is None:
+            self.deadline = time.monotonic() + GRACE_S
+
+    @property
+    def requested(self) -> bool:
+        return self.deadline is not None
+
+    def forward(self, procs: list[subprocess.Popen]) -> None:
+        while self.pending:
+            sig = self.pending.pop(0)
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(sig)
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Handle SIGINT and SIGTERM (unless ignored, as in a background job) until exit."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        replaced = {s: h for s, h in previous.items() if h not in (signal.SIG_IGN, None)}
+        for s in replaced:
+            signal.signal(s, self)
+        try:
+            yield
+        finally:
+            for s, h in replaced.items():
+                signal.signal(s, h)
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """Linux: a preexec_fn that has the kernel send the node SIGTERM (it checkpoints and stops)
+    when the launcher dies, even by SIGKILL, which cannot be forwarded. None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent, sigterm = os.getpid(), int(signal.SIGTERM)
+
+    def preexec() -> None:  # in the child, between fork and exec
+        prctl(_PR_SET_PDEATHSIG, sigterm)
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os._exit(INTERRUPTED)
+
+    return preexec
+
+
 def run_multi(
     cfg: RunConfig, run_dir: Path, *, console: Console | None = None, resume: bool = False
 ) -> MultiResult:
     """Run every node to the end. Raises LaunchError when no node finished (every node failed,
     e.g. a config or model error), NodesLostError when some failed and the others finished,
-    KeyboardInterrupt after forwarding Ctrl-C to the nodes (they checkpoint first)."""
+    KeyboardInterrupt after passing SIGINT or SIGTERM on to the nodes (they checkpoint first)
+    and waiting for them."""
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     for old in logs.glob("rank*.error"):
@@ -113,9 +185,16 @@ def run_multi(
     result = MultiResult()
     procs: list[subprocess.Popen] = []
     log_files = []
+    stop = _Stop()
+    preexec = _die_with_parent()
     try:
-        with Progress(*columns, console=console, disable=not cfg.log.progress) as progress:
+        with (
+            stop.installed(),
+            Progress(*columns, console=console, disable=not cfg.log.progress) as progress,
+        ):
             for rank, node in enumerate(cfg.nodes):
+                if stop.requested:
+                    break
                 f = (logs / f"{node.name}.log").open("a")
                 log_files.append(f)
                 procs.append(
@@ -125,21 +204,10 @@ def run_multi(
                         stderr=subprocess.STDOUT,
                         env={**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                         start_new_session=True,  # Ctrl-C reaches the parent only: it forwards
+                        preexec_fn=preexec,
                     )
                 )
-            bars: dict[tuple[str, str], int] = {}
-            try:
-                _watch(procs, cfg, store, result, progress, bars, run_dir)
-            except KeyboardInterrupt:
-                for p in procs:
-                    if p.poll() is None:
-                        p.send_signal(signal.SIGINT)
-                for p in procs:
-                    try:
-                        p.wait(timeout=120)
-                    except subprocess.TimeoutExpired:
-                        p.kill()
-                raise
+            _watch(procs, cfg, store, result, progress, {}, run_dir, stop)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -152,8 +220,9 @@ def run_multi(
         err = logs / f"rank{rank}.error"
         if err.exists():
             result.errors[node.name] = err.read_text().strip()
-    if result.interrupted:
-        raise KeyboardInterrupt  # a node was stopped by a signal, after its checkpoint
+    finished = len(result.exit_codes) == world and set(result.exit_codes.values()) == {0}
+    if result.interrupted or (stop.requested and not finished):
+        raise KeyboardInterrupt  # the nodes were stopped by a signal, after their checkpoints
     if not any(c == 0 for c in result.exit_codes.values()):
         # Root causes first: a peer that only saw another node leave adds nothing.
         causes = {n: e for n, e in result.errors.items() if "before the group formed" not in e}
@@ -167,15 +236,17 @@ def run_multi(
     return result
 
 
-def _watch(procs, cfg, store, result, progress, bars, run_dir) -> None:
-    """Until every node has exited: draw progress; mark a node that exited without finishing as
-    gone in the store, so that its peers stop waiting for it at once."""
+def _watch(procs, cfg, store, result, progress, bars, run_dir, stop) -> None:
+    """Until every node has exited: pass signals on, draw progress; mark a node that exited
+    without finishing or leaving (130) as gone in the store, so that its peers stop waiting for
+    it at once."""
     while len(result.exit_codes) < len(procs):
+        stop.forward(procs)
         for rank, (p, node) in enumerate(zip(procs, cfg.nodes)):
             if node.name in result.exit_codes or p.poll() is None:
                 continue
             result.exit_codes[node.name] = p.returncode
-            if p.returncode != 0:
+            if p.returncode not in (0, INTERRUPTED):
                 try:
                     mark_left(store, rank, f"its process exited with code {p.returncode}")
                 except RuntimeError:
