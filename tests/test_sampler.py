@@ -286,3 +286,33 @@ def test_shared_prompt_scoring_equals_scoring_each_sequence(preset, lora):
     torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=0)
     for a, b in zip(g_got, g_want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_a_zero_draw_never_picks_a_token_of_probability_zero():
+    """u = 0 used to select token 0 whatever its probability (left-sided search of the cdf)."""
+    from ftis.rollout.sampler import sample
+
+    class Fixed(torch.nn.Module):
+        """Logits that give token 0 (and 1) probability 0: only tokens 2.. can be drawn."""
+
+        def __init__(self, vocab: int) -> None:
+            super().__init__()
+            self.vocab = vocab
+            self.w = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, input_ids, attention_mask=None, position_ids=None, **kw):
+            logits = torch.zeros(*input_ids.shape, self.vocab)
+            logits[..., :2] = float("-inf")
+            return type("Out", (), {"logits": logits, "past_key_values": None})()
+
+    out = sample(
+        Fixed(8),
+        [[3, 4]],
+        num_samples=2,
+        max_new_tokens=3,
+        eos_id=7,
+        pad_id=0,
+        temperature=1.0,
+        noise=torch.zeros(2, 3),
+    )
+    assert (out.completion_ids[:, :3] >= 2).all() and torch.isfinite(out.logprobs).all()

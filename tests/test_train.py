@@ -129,6 +129,63 @@ def test_micro_batches_change_nothing(method):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "loss",
+    [
+        {"method": "f-tis", "filter_mode": "drop", "filter_threshold": 0.02},
+        {"method": "f-tis", "filter_stat_norm": "padded", "filter_threshold": 0.02},
+        {"method": "f-vis", "filter_mode": "drop", "filter_stat_norm": "padded"},
+    ],
+)
+def test_micro_batches_change_nothing_under_the_authors_filter_readings(loss):
+    """filter_mode 'drop' and filter_stat_norm 'padded' used to depend on the split (each
+    micro-batch divided by its own kept count / averaged over its own width)."""
+    from ftis.config import LossConfig
+
+    node = _node()
+    node.cfg = node.cfg.model_copy(update={"loss": LossConfig(**loss)})
+    batch = _batch(node, n_prompts=4)
+    # Lengths that differ between micro-batches (the padded statistic divides by a width) ...
+    short = torch.arange(batch.num_sequences) % 3 == 0
+    batch.lengths = torch.where(short, torch.full_like(batch.lengths, 2), batch.lengths)
+    batch.completion_ids = torch.where(batch.mask, batch.completion_ids, node.tokenizer.pad_token_id)
+    batch.sampler_logprobs = torch.where(batch.mask, batch.sampler_logprobs, 0.0)
+    # ... and off-policy by a different amount per sequence, so some are filtered and some not.
+    shift = torch.linspace(0.0, 0.6, batch.num_sequences)[:, None]
+    batch.sampler_logprobs = batch.sampler_logprobs - shift * batch.mask
+    adv = torch.linspace(-1, 1, batch.num_sequences)
+    whole = _grads_after_update(node, batch, adv, mb=0)
+    for mb in (1, 3, 5):
+        split = _grads_after_update(node, batch, adv, mb=mb)
+        for a, b in zip(whole, split):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_own_samples_have_ratio_one_at_any_temperature():
+    """Sampled at T = 0.7, scored by the same node: every IS weight is 1 (the receiver scores
+    the tempered distribution the sampler drew from), so TIS truncates nothing."""
+    from ftis.config import LossConfig, TrainConfig
+
+    node = _node()
+    node.cfg = node.cfg.model_copy(update={"loss": LossConfig(method="tis", is_cap=1.01)})
+    cfg = TrainConfig(max_new_tokens=5, group_size=4, temperature=0.7)
+    problems = [TASK.split("train")[i] for i in range(3)]
+    batch = sampling.generate(node, TASK, problems, slots=(0, 4), cfg=cfg, step=1)
+    adv = torch.linspace(-1, 1, batch.num_sequences)
+
+    def stats(temperature: float) -> dict[str, float]:
+        n = copy.deepcopy(node)
+        return update_mod.update(
+            n, TASK, batch, adv, loss_cfg=n.cfg.loss, micro_batch_size=0, temperature=temperature
+        )
+
+    m = stats(0.7)
+    assert m["is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert m["is_weight_max"] == pytest.approx(1.0, abs=1e-3) and m["truncated_frac"] == 0
+    untempered = stats(1.0)  # what the receiver used to score: ratios far from 1
+    assert abs(untempered["is_weight_mean"] - 1.0) > 0.05 or untempered["truncated_frac"] > 0.05
+
+
 def test_non_finite_loss_skips_the_update():
     node = _node("nois")
     batch = _batch(node)

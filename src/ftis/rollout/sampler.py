@@ -119,7 +119,10 @@ def sample(
                 logp = torch.log_softmax(logits / temperature, dim=-1)
                 cdf = logp.exp().cumsum(-1)
                 u = noise[:, t : t + 1].to(cdf.device) * cdf[:, -1:]
-                tok = torch.searchsorted(cdf, u).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+                # right=True: the first token whose cdf exceeds u, so a draw of exactly 0 (or one
+                # on a cdf step) never picks a token of probability 0.
+                tok = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+                tok = tok.clamp_(max=cdf.shape[-1] - 1)
             else:
                 logp = torch.log_softmax(logits, dim=-1)
                 tok = logp.argmax(-1)

@@ -8,7 +8,7 @@ import math
 import torch
 
 from ftis.config import LossConfig
-from ftis.core.losses import policy_loss
+from ftis.core.losses import drop_mode_grad_scale, policy_loss
 from ftis.models.logprobs import shared_prompt_completion_logprobs
 from ftis.rollout.sampler import left_pad
 from ftis.rollout.types import RolloutBatch
@@ -28,13 +28,20 @@ def update(
     *,
     loss_cfg: LossConfig,
     micro_batch_size: int,
+    temperature: float = 1.0,
     skip_zero_advantage: bool = True,
 ) -> dict[str, float]:
     """One optimizer step on `batch`: receiver log-probs, policy loss, backward, clip, step.
 
     Micro-batches accumulate gradients; the loss divides by the global N, so the update is the
-    same however the batch is split (docs/math.md §3). A non-finite loss or gradient skips the
-    step and raises NonFiniteError after zeroing the gradients.
+    same however the batch is split (docs/math.md §3). Under filter_mode "drop" the global count
+    of kept sequences is only known after every micro-batch ran, so the accumulated gradient is
+    rescaled by N / kept at the end (`drop_mode_grad_scale`); the padded filter statistic uses
+    the whole batch's width. A non-finite loss or gradient skips the step and raises
+    NonFiniteError after zeroing the gradients.
+
+    temperature: the sampling temperature; the receiver scores the tempered distribution the
+    sampler drew from (log softmax(logits / T)), so own samples have ratio 1 at any T.
 
     Sequences whose advantage is exactly 0 (groups whose rewards were all equal) contribute
     exactly 0 to the loss and its gradient under every method, so with filter_mode "zero" they are
@@ -57,6 +64,8 @@ def update(
     totals: dict[str, float] = {}
     node.optimizer.zero_grad(set_to_none=True)
     mask_all = batch.mask
+    width_all = max(int(batch.lengths.max()), 1) if n else 1  # for the "padded" filter statistic
+    kept_total = 0.0
     for start in range(0, n, mb):
         sl = slice(start, min(start + mb, n))
         # Each prompt of the micro-batch runs through the model once; its G completions share
@@ -75,6 +84,7 @@ def update(
             prompt_of=prompt_of,
             completion_ids=comp,
             completion_mask=mask.long(),
+            temperature=temperature,
         )
         dev = logprobs.device  # the model's: a GPU node trains on the GPU, batches stay on CPU
         loss, metrics = policy_loss(
@@ -88,7 +98,8 @@ def update(
             filter_threshold=loss_cfg.filter_threshold,
             filter_stat_norm=loss_cfg.filter_stat_norm,
             filter_mode=loss_cfg.filter_mode,
-            num_sequences=n_total if loss_cfg.filter_mode == "zero" else None,
+            num_sequences=n_total,
+            padded_width=width_all,
         )
         if not torch.isfinite(loss):
             node.optimizer.zero_grad(set_to_none=True)
@@ -101,6 +112,8 @@ def update(
             v = float(v)
             if k.endswith("_max"):
                 totals[k] = max(totals.get(k, -math.inf), v)
+            elif k == "kept_sequences":
+                kept_total += v
             elif k == "loss":
                 totals[k] = totals.get(k, 0.0) + v  # already divided by the global N
             else:
@@ -119,11 +132,18 @@ def update(
             torch.zeros(0),
             torch.zeros(0, 1, dtype=torch.bool),
             method=loss_cfg.method,
-            num_sequences=n_total if loss_cfg.filter_mode == "zero" else None,
+            num_sequences=n_total,
         )
         totals.update({k: float(v) for k, v in empty.items()})
     else:
         totals["filtered_frac"] = totals.get("filtered_frac", 0.0) * n / n_total
+        totals["kept_sequences"] = kept_total
+        if loss_cfg.filter_mode == "drop":
+            scale = drop_mode_grad_scale(n_total, kept_total)
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+            totals["loss"] *= scale
     totals["active_frac"] = n / n_total if n_total else 0.0
     grad_norm = torch.nn.utils.clip_grad_norm_(params, node.cfg.optim.grad_clip)
     if not torch.isfinite(grad_norm):

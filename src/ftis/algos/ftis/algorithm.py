@@ -171,6 +171,7 @@ class FTISAlgorithm:
                 adv,
                 loss_cfg=self.node.cfg.loss,
                 micro_batch_size=self.cfg.train.micro_batch_size,
+                temperature=self.cfg.train.temperature,
             )
             out.update({f"loss/{k}": v for k, v in upd.items()})
             out["train/skipped_update"] = 0
