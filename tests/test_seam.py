@@ -5,10 +5,12 @@ transport, lonely groups) hold for the F-TIS algorithm."""
 from __future__ import annotations
 
 import json
+import struct
 from typing import Any, Literal
 
 import pytest
 import torch
+import yaml
 
 from ftis.algos import ALGORITHMS, AlgorithmConfig, register_algorithm
 from ftis.algos.base import NodeContext
@@ -159,3 +161,77 @@ def test_horizontal_sharing_survives_a_lost_peer_with_single_completion_shares(t
     rows = [r for r in _rows(tmp_path) if r["step"] > 0]
     assert all(r["train/skipped_groups"] == 4 for r in rows)  # prompts_per_step = 4
     assert all(r["exchange/bytes_sent"] > 0 for r in rows)
+
+
+# ------------------------------------------------------------------ a rank that is not a node
+# Registered at import, so worker processes that import this module ($FTIS_PLUGINS) know it.
+
+
+class TallyConfig(AlgorithmConfig):
+    """Nodes send a number each step; a server rank sums them and sends the sum back."""
+
+    kind: Literal["tally"] = "tally"
+
+    def service_ranks(self, run) -> list[str]:
+        return ["server"]
+
+
+def _number(x: float) -> bytes:
+    return struct.pack("<d", x)
+
+
+class Tally:
+    def __init__(self, ctx: NodeContext) -> None:
+        self.ctx = ctx
+
+    def step(self, step: int) -> dict[str, float]:
+        t = self.ctx.transport
+        t.exchange(2 * step - 1, _number(step * (self.ctx.rank + 1)), max_bytes=8)
+        got = t.exchange(2 * step, b"", max_bytes=8)
+        server = self.ctx.cfg.rank_names.index("server")
+        return {"tally/sum": struct.unpack("<d", got[server])[0]}
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        return {"eval/accuracy": 0.0}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def serve_tally(ctx) -> None:
+    for step in range(1, ctx.cfg.train.steps + 1):
+        got = ctx.transport.exchange(2 * step - 1, b"", max_bytes=8)
+        total = sum(struct.unpack("<d", b)[0] for b in got.values() if b)
+        ctx.transport.exchange(2 * step, _number(total), max_bytes=8)
+        ctx.logger.log(step, {"tally/sum": total, "tally/clients": float(len(got))})
+
+
+register_algorithm("tally", TallyConfig, Tally, service=serve_tally)
+
+
+def test_a_service_rank_runs_beside_the_nodes(tmp_path, monkeypatch):
+    """Two nodes and a server (a rank that trains nothing) run as three processes; the server's
+    rows carry `node: server`, and the handshake accepts a rank without a tokenizer."""
+    from typer.testing import CliRunner
+
+    from ftis.cli import app
+
+    monkeypatch.setenv("FTIS_PLUGINS", __name__)
+    data = tiny_run_config(steps=2)
+    data["nodes"].append({**data["nodes"][0], "name": "ys"})
+    data["algorithm"] = {"kind": "tally"}
+    cfg = tmp_path / "tally.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    out = tmp_path / "run"
+    res = CliRunner().invoke(app, ["run", str(cfg), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = _rows(out)
+    by = {(r["node"], r["step"]): r for r in rows}
+    # step s: node xs sends s, node ys sends 2s
+    for s in (1, 2):
+        assert by[("server", s)]["tally/sum"] == 3 * s and by[("server", s)]["tally/clients"] == 2
+        assert by[("xs", s)]["tally/sum"] == by[("ys", s)]["tally/sum"] == 3 * s
+    assert by[("xs", 2)]["exchange/bytes_sent"] == 8  # the shell counts the transport's bytes

@@ -152,6 +152,8 @@ def _plot_training(rows, path: Path) -> None:
         ("loss/is_weight_mean", "mean IS weight"),
     ]
     panels = [p for p in panels if any(r.get(p[0]) is not None for r in rows)]
+    if not panels:  # an algorithm that logs none of these (the rows still hold its own metrics)
+        return
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
     for ax, (key, title) in zip(axes[0], panels):
         for node in nodes_in(rows):

@@ -12,11 +12,15 @@ by light tools): factories may be given as "module:attr" strings, imported on fi
         lr_scale: float = 1.0
 
     register_algorithm("mine", MyConfig, "my_package.my_algo:MyAlgorithm")
+
+A module outside ftis that registers algorithms is named in $FTIS_PLUGINS (comma-separated
+module names), so that `ftis run` and its worker processes import it before reading a config.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -24,7 +28,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
-    from ftis.algos.base import Algorithm, NodeContext
+    from ftis.algos.base import Algorithm, NodeContext, ServiceContext
+
+PLUGINS_ENV = "FTIS_PLUGINS"  # comma-separated modules that register algorithms when imported
 
 
 class AlgorithmConfig(BaseModel):
@@ -51,37 +57,66 @@ class FTISConfig(AlgorithmConfig):
 
 
 Factory = Callable[["NodeContext"], "Algorithm"]
+Serve = Callable[["ServiceContext"], None]
+
+
+def _resolve(target: str | Callable) -> Callable:
+    if isinstance(target, str):
+        module, _, attr = target.partition(":")
+        return getattr(importlib.import_module(module), attr)
+    return target
 
 
 @dataclass(frozen=True)
 class AlgorithmSpec:
+    """A registered algorithm: its config class, the factory of its per-node object, and (for
+    algorithms with service ranks) the function a service rank runs until the run ends."""
+
     kind: str
     config: type[AlgorithmConfig]
     factory: str | Factory
+    service: str | Serve | None = None
 
     def build(self, ctx: NodeContext) -> Algorithm:
         """The algorithm for the node that `ctx` describes."""
-        factory = self.factory
-        if isinstance(factory, str):
-            module, _, attr = factory.partition(":")
-            factory = getattr(importlib.import_module(module), attr)
-        return factory(ctx)
+        return _resolve(self.factory)(ctx)
+
+    def serve(self, ctx: ServiceContext) -> None:
+        """Run service rank `ctx.rank` (e.g. a server) to the end of the run."""
+        if self.service is None:
+            raise ValueError(
+                f"algorithm {self.kind!r} declares service ranks but registered no service"
+            )
+        _resolve(self.service)(ctx)
 
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {}
 
 
 def register_algorithm(
-    kind: str, config: type[AlgorithmConfig], factory: str | Factory
+    kind: str,
+    config: type[AlgorithmConfig],
+    factory: str | Factory,
+    *,
+    service: str | Serve | None = None,
 ) -> AlgorithmSpec:
     """Make `kind` available to `config.algorithm.kind` (replacing an earlier registration)."""
-    spec = AlgorithmSpec(kind, config, factory)
+    spec = AlgorithmSpec(kind, config, factory, service)
     ALGORITHMS[kind] = spec
     return spec
 
 
+def load_plugins() -> None:
+    """Import the modules named in $FTIS_PLUGINS (comma-separated), which register algorithms
+    of their own; worker processes inherit the variable, so they know the same algorithms."""
+    for name in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
+        importlib.import_module(name)
+
+
 def get_algorithm(kind: str) -> AlgorithmSpec:
     """The registered algorithm `kind`, or a ValueError listing the known ones."""
+    if kind not in ALGORITHMS:
+        load_plugins()
     if kind not in ALGORITHMS:
         raise ValueError(
             f"unknown algorithm kind {kind!r}; choose one of: {', '.join(sorted(ALGORITHMS))}"

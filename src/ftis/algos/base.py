@@ -10,13 +10,16 @@ the node's checkpoint and gives back on resume.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from ftis.config import RunConfig
     from ftis.exchange.transport import Transport
     from ftis.tasks.base import Task
+    from ftis.train.metrics import MetricLogger
     from ftis.train.node import Node
     from ftis.train.timing import PhaseTimer
 
@@ -42,6 +45,25 @@ class NodeContext:
     transport: Transport
     timer: PhaseTimer
     first_step: int
+
+
+@dataclass
+class ServiceContext:
+    """What a service rank (a rank that is not a training node: a server, an aggregator) gets.
+
+    cfg: the whole run config; rank: its rank (after every node's); name: its name (e.g.
+    "server", its rows' `node`); transport: as for nodes; run_dir: the run directory;
+    logger: writes its rows to metrics.jsonl (`logger.log(step, metrics)`); should_stop: True
+    once Ctrl-C or SIGTERM asked the run to stop.
+    """
+
+    cfg: RunConfig
+    rank: int
+    name: str
+    transport: Transport
+    run_dir: Path
+    logger: MetricLogger
+    should_stop: Callable[[], bool]
 
 
 class Algorithm(Protocol):

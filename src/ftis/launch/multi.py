@@ -161,7 +161,8 @@ def run_multi(
     logs.mkdir(parents=True, exist_ok=True)
     for old in logs.glob("rank*.error"):
         old.unlink()
-    world = len(cfg.nodes)
+    names = cfg.rank_names  # the nodes, then the algorithm's service ranks (e.g. a server)
+    world = len(names)
     server, store, port = host_store()
     base_env = dict(os.environ)
     base_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
@@ -192,10 +193,10 @@ def run_multi(
             stop.installed(),
             Progress(*columns, console=console, disable=not cfg.log.progress) as progress,
         ):
-            for rank, node in enumerate(cfg.nodes):
+            for rank, name in enumerate(names):
                 if stop.requested:
                     break
-                f = (logs / f"{node.name}.log").open("a")
+                f = (logs / f"{name}.log").open("a")
                 log_files.append(f)
                 procs.append(
                     subprocess.Popen(
@@ -207,7 +208,7 @@ def run_multi(
                         preexec_fn=preexec,
                     )
                 )
-            _watch(procs, cfg, store, result, progress, {}, run_dir, stop)
+            _watch(procs, names, cfg, store, result, progress, {}, run_dir, stop)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -216,10 +217,10 @@ def run_multi(
         for f in log_files:
             f.close()
         del store, server
-    for rank, node in enumerate(cfg.nodes):
+    for rank, name in enumerate(names):
         err = logs / f"rank{rank}.error"
         if err.exists():
-            result.errors[node.name] = err.read_text().strip()
+            result.errors[name] = err.read_text().strip()
     finished = len(result.exit_codes) == world and set(result.exit_codes.values()) == {0}
     if result.interrupted or (stop.requested and not finished):
         raise KeyboardInterrupt  # the nodes were stopped by a signal, after their checkpoints
@@ -236,16 +237,16 @@ def run_multi(
     return result
 
 
-def _watch(procs, cfg, store, result, progress, bars, run_dir, stop) -> None:
+def _watch(procs, names, cfg, store, result, progress, bars, run_dir, stop) -> None:
     """Until every node has exited: pass signals on, draw progress; mark a node that exited
     without finishing or leaving (130) as gone in the store, so that its peers stop waiting for
     it at once."""
     while len(result.exit_codes) < len(procs):
         stop.forward(procs)
-        for rank, (p, node) in enumerate(zip(procs, cfg.nodes)):
-            if node.name in result.exit_codes or p.poll() is None:
+        for rank, (p, name) in enumerate(zip(procs, names)):
+            if name in result.exit_codes or p.poll() is None:
                 continue
-            result.exit_codes[node.name] = p.returncode
+            result.exit_codes[name] = p.returncode
             if p.returncode not in (0, INTERRUPTED):
                 try:
                     mark_left(store, rank, f"its process exited with code {p.returncode}")

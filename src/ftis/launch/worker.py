@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from ftis.algos import get_algorithm
+from ftis.algos.base import ServiceContext
 from ftis.config import ConfigError, RunConfig, load_config
 from ftis.exchange.group import GroupMismatchError, check_group
 from ftis.exchange.store import Membership, PeerGroupError, StoreTransport, connect_store
@@ -34,7 +36,7 @@ from ftis.models.loading import ModelLoadError, load_tokenizer, tokenizer_finger
 from ftis.tasks import TaskDataError
 from ftis.train.checkpoint import CheckpointError, checkpoint_step
 from ftis.train.loop import StopFlag, train_node
-from ftis.train.metrics import truncate_rows
+from ftis.train.metrics import MetricLogger, truncate_rows
 
 log = logging.getLogger("ftis.launch.worker")
 
@@ -94,6 +96,29 @@ def _hard_exit(step: int) -> None:
     os._exit(CRASH_EXIT_CODE)
 
 
+def _serve(cfg, rank, name, transport, run_dir, stop, membership) -> int:
+    """Run a service rank (a server, an aggregator: not a training node) to the end."""
+    logger = MetricLogger(run_dir, name, tensorboard=cfg.log.tensorboard)
+    try:
+        with stop.installed():
+            transport.ready()
+            get_algorithm(cfg.algorithm.kind).serve(
+                ServiceContext(
+                    cfg=cfg,
+                    rank=rank,
+                    name=name,
+                    transport=transport,
+                    run_dir=run_dir,
+                    logger=logger,
+                    should_stop=stop,
+                )
+            )
+    finally:
+        logger.close()
+    membership.leave("stopped" if stop() else "finished")
+    return 130 if stop() else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ftis.launch.worker", description=__doc__.split("\n")[0])
     parser.add_argument("config", type=Path)
@@ -133,40 +158,41 @@ def main(argv: list[str] | None = None) -> int:
             )
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        if rank >= len(cfg.nodes):
-            raise ConfigError(
-                f"rank {rank} ({names[rank]}) is a service rank of algorithm "
-                f"{cfg.algorithm.kind!r}, which has no service entry point in this version"
-            )
-        node_cfg = cfg.nodes[rank]
+        is_node = rank < len(cfg.nodes)
         done = 0
-        if args.resume:
+        if is_node and args.resume:
             # Before the group forms, so that no peer is appending to metrics.jsonl yet.
-            step = checkpoint_step(run_dir / "nodes" / node_cfg.name)
-            truncate_rows(run_dir / "metrics.jsonl", node_cfg.name, after_step=step)
+            step = checkpoint_step(run_dir / "nodes" / names[rank])
+            truncate_rows(run_dir / "metrics.jsonl", names[rank], after_step=step)
             done = step or 0
         store, rank, world = connect_store(cfg.exchange.timeout_s)
         membership = Membership(store, rank, world, timeout_s=cfg.exchange.timeout_s)
         first_steps = check_group(
             membership,
             names=names,
-            fingerprint=tokenizer_fingerprint(load_tokenizer(node_cfg.model)),
+            # a service rank has no model: it takes part with an empty fingerprint
+            fingerprint=tokenizer_fingerprint(load_tokenizer(cfg.nodes[rank].model))
+            if is_node
+            else "",
             settings_digest=shared_settings_digest(cfg),
             first_step=done + 1,
             timeout_s=max(cfg.exchange.timeout_s, 120.0),
         )
         stop = StopFlag()
+        transport = StoreTransport(
+            membership,
+            first_steps=first_steps,
+            should_stop=stop,
+            on_store_lost=cfg.exchange.on_store_lost,
+        )
+        if not is_node:
+            return _serve(cfg, rank, names[rank], transport, run_dir, stop, membership)
         result = train_node(
             cfg,
             rank=rank,
-            transport=StoreTransport(
-                membership,
-                first_steps=first_steps,
-                should_stop=stop,
-                on_store_lost=cfg.exchange.on_store_lost,
-            ),
+            transport=transport,
             run_dir=run_dir,
-            progress=StatusFile(run_dir, node_cfg.name),
+            progress=StatusFile(run_dir, names[rank]),
             resume=args.resume,
             stop=stop,
             crash=_hard_exit,
