@@ -51,6 +51,7 @@ class RunResult:
     run: RunSpec
     nodes: dict[str, NodeCurve]
     seconds: float | None
+    code: str | None = None  # the ftis version (and git commit) that made the run
 
 
 def node_curves(rows: list[dict[str, Any]]) -> dict[str, NodeCurve]:
@@ -92,12 +93,13 @@ def collect(study: Study, out_dir: Path) -> tuple[list[RunResult], list[str]]:
         if run_status(d, run.config) != "done":
             missing.append(run.id)
             continue
-        seconds = None
+        meta = {}
         try:
-            seconds = json.loads((d / RUN_META).read_text()).get("seconds")
+            meta = json.loads((d / RUN_META).read_text())
         except (OSError, ValueError):
             pass
-        results.append(RunResult(run, node_curves(read_metrics(d / "metrics.jsonl")), seconds))
+        curves = node_curves(read_metrics(d / "metrics.jsonl"))
+        results.append(RunResult(run, curves, meta.get("seconds"), meta.get("code")))
     return results, missing
 
 
@@ -335,6 +337,8 @@ def render(
         + ". "
         + _invocations_line(out_dir),
         "",
+        _code_line(results),
+        "",
         "Accuracy is greedy accuracy on the task's held-out `test` split (in distribution) and "
         "its `ood` split (3-term problems, never trained on), at the last step, as "
         "**mean ± sample std over seeds** in percent. `Alone` trains each node by itself with "
@@ -429,6 +433,18 @@ def render(
             L += [title, "", f"![{name}]({rel_assets}/{name})", ""]
     L += ["## Reading", "", READING_BEGIN, reading.strip() or "_Not written yet._", READING_END, ""]
     return "\n".join(L)
+
+
+def _code_line(results: list[RunResult]) -> str:
+    """Which code made the runs (`ftis` version + git commit, recorded by `ftis sweep`)."""
+    counts: dict[str, int] = {}
+    for r in results:
+        key = r.code or "unrecorded (runs made before ftis recorded its version)"
+        counts[key] = counts.get(key, 0) + 1
+    if not counts:
+        return "Code: no complete run yet."
+    parts = [f"`{c}` ({n} runs)" for c, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+    return "Code the runs were made with: " + ", ".join(parts) + "."
 
 
 def _rel(path: Path) -> str:

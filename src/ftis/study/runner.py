@@ -74,7 +74,7 @@ def execute_run(run: RunSpec, run_dir: Path, *, console: Console | None = None) 
     (run_dir / "config.yaml").write_text(
         yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
     )
-    meta = {**run.meta(), "status": "running", "started": time.time()}
+    meta = {**run.meta(), "status": "running", "started": time.time(), "code": code_version()}
     _write_json(run_dir / RUN_META, meta)
     t0 = time.perf_counter()
     run_local(cfg, run_dir, console=console)
