@@ -152,8 +152,9 @@ def train_node(
         )
     )
     if found is not None:
-        # Checkpoints of version 1 kept the F-TIS counters beside the shell's.
-        algo.load_state_dict(state.get("algorithm") or {"counters": state.get("counters", {})})
+        # Checkpoints of version 1 kept the F-TIS counters where the shell's totals are now.
+        v1 = state.get("version") == 1
+        algo.load_state_dict({"counters": state.get("counters", {})} if v1 else state["algorithm"])
     transport.ready()
     logger = MetricLogger(run_dir, node.name, tensorboard=cfg.log.tensorboard)
 
