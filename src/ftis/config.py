@@ -47,10 +47,11 @@ class _Strict(BaseModel):
 
 
 class LossConfig(_Strict):
-    """The policy loss (docs/math.md §3-5)."""
+    """The policy loss (docs/math.md §3-5; ReCo §8)."""
 
     method: str = Field(
-        "f-tis", description="One of nois, vis (= grpo), tis, f-nois, f-vis, f-tis."
+        "f-tis",
+        description="One of nois, vis (= grpo), tis, reco, f-nois, f-vis, f-tis, f-reco.",
     )
     is_cap: float = Field(2.0, gt=0, description="C: cap on the per-token IS weight (tis).")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range (vis).")
@@ -67,6 +68,30 @@ class LossConfig(_Strict):
     filter_mode: Literal["zero", "drop"] = Field(
         "zero",
         description="'zero' keeps filtered sequences in N with advantage 0; 'drop' removes them.",
+    )
+    reco_response_weights: bool = Field(
+        True,
+        description="reco/f-reco: weight each response by 1 / its expected occurrences in the "
+        "group (clipped at reco_w_max, mean 1 per group). Ignored by other methods.",
+    )
+    reco_token_ratio: bool = Field(
+        True,
+        description="reco/f-reco: the variance ratio p(1-p)/(p0(1-p0)) replaces the PPO ratio. "
+        "With both reco levels off (and reco_tis off), reco is vis exactly.",
+    )
+    reco_w_max: float = Field(
+        5.0, gt=0, allow_inf_nan=False, description="reco: cap on the raw response weight."
+    )
+    reco_tis: bool = Field(
+        False,
+        description="reco/f-reco: also multiply by TIS's truncated weight min(rho, is_cap), "
+        "detached: the off-policy correction for peers' samples (docs/math.md §8.3).",
+    )
+    reco_clip: Literal["direction", "sign"] = Field(
+        "direction",
+        description="reco: with r outside [1-clip_eps, 1+clip_eps], mask the tokens whose "
+        "gradient step moves r further out ('direction') or PPO's rule on the advantage's sign "
+        "alone ('sign').",
     )
 
     @field_validator("method")
@@ -108,7 +133,7 @@ class NodeConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    steps: int = Field(60, ge=0, description="RL steps (one optimizer step per generation round).")
+    steps: int = Field(60, ge=0, description="RL steps (generation rounds).")
     prompts_per_step: int = Field(
         16, ge=1, description="Prompts per step, split among nodes when sharing vertically."
     )
@@ -120,6 +145,18 @@ class TrainConfig(_Strict):
     micro_batch_size: int = Field(
         0, ge=0, description="Sequences per forward/backward; 0 = whole batch."
     )
+    update_epochs: int = Field(
+        1,
+        ge=1,
+        description="Passes over a round's samples (PPO-style reuse; 1 = the paper's setting). "
+        "Sampler log-probs stay the sampler's across passes.",
+    )
+    mini_batches: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per pass: the round's sequences are shuffled (seeded by "
+        "seed and step) and split into this many mini-batches; 1 = one step on the whole batch.",
+    )
     seed: int = Field(0, description="Seed of prompt order and sampling.")
 
 
@@ -129,8 +166,16 @@ class EvalConfig(_Strict):
     )
     size: int = Field(256, ge=1, description="At most this many problems per eval split.")
     batch_size: int = Field(256, ge=1, description="Sequences per generation batch in eval.")
-    pass_k: list[int] = Field(default_factory=lambda: [1, 4], description="k values for pass@k.")
-    pass_samples: int = Field(8, ge=0, description="Samples per problem for pass@k; 0 disables it.")
+    pass_k: list[int] = Field(
+        default_factory=lambda: [1, 4],
+        description="k values for pass@k (unbiased estimator; each k <= pass_samples).",
+    )
+    pass_samples: int = Field(
+        8,
+        ge=0,
+        description="Samples per problem for pass@k (temperature train.temperature); 0 disables "
+        "it. 64 samples on 32 problems take a few seconds for llama-m on 2 cores.",
+    )
     pass_problems: int = Field(64, ge=1, description="Problems used for pass@k.")
 
     @model_validator(mode="after")
@@ -138,7 +183,8 @@ class EvalConfig(_Strict):
         if self.pass_samples and any(k < 1 or k > self.pass_samples for k in self.pass_k):
             raise ValueError(
                 f"eval.pass_k values {self.pass_k} must be between 1 and eval.pass_samples "
-                f"({self.pass_samples})"
+                f"({self.pass_samples}): the unbiased estimator needs at least k samples per "
+                f"problem; raise eval.pass_samples to {max(self.pass_k)} or drop the larger k"
             )
         return self
 

@@ -117,8 +117,11 @@ def test_grpo_is_vis() -> None:
 
 
 def test_registry_and_method_names() -> None:
-    assert set(TOKEN_TERMS) == {"nois", "vis", "tis"}
-    assert set(LOSS_METHODS) == {"nois", "vis", "tis", "f-nois", "f-vis", "f-tis", "grpo"}
+    assert set(TOKEN_TERMS) == {"nois", "vis", "tis", "reco"}
+    assert set(LOSS_METHODS) == {
+        *("nois", "vis", "tis", "f-nois", "f-vis", "f-tis", "grpo"),
+        *("reco", "f-reco"),
+    }
     assert resolve_method("f-tis") == ("tis", True)
     lp, glp, adv, mask = hand_example()
     with pytest.raises(ValueError, match=r"unknown loss method 'ppo'.*f-tis"):

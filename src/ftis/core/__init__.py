@@ -1,4 +1,5 @@
-"""Pure tensor math: advantages, the policy-loss family with the F-TIS filter, pass@k.
+"""Pure tensor math: advantages, the policy-loss family with the F-TIS filter, ReCo's weights
+and ratio, pass@k.
 
 Imports torch only: no config objects, no I/O, no logging, no torch.distributed.
 The math is written out in docs/math.md; code comments cite it by section.
@@ -14,6 +15,7 @@ from ftis.core.losses import (
     sequence_divergence,
 )
 from ftis.core.passk import pass_at_k
+from ftis.core.reco import reco_weights, variance_ratio
 
 __all__ = [
     "LOSS_METHODS",
@@ -23,6 +25,8 @@ __all__ = [
     "group_advantages",
     "pass_at_k",
     "policy_loss",
+    "reco_weights",
     "resolve_method",
     "sequence_divergence",
+    "variance_ratio",
 ]

@@ -1,4 +1,5 @@
-"""The policy-loss family: NoIS, VIS (GRPO), TIS and their filtered variants (docs/math.md §3-§5).
+"""The policy-loss family: NoIS, VIS (GRPO), TIS, ReCo and their filtered variants
+(docs/math.md §3-§5, §8).
 
 Shapes: N sequences, T tokens (padded completion width).
 
@@ -8,7 +9,8 @@ Structure:
 - :func:`sequence_divergence` and :func:`filter_sequences` are the filter (the "f-" prefix),
   applied to the advantages before the per-token term;
 - :func:`policy_loss` (the public contract) sanitizes inputs, resolves the method, applies the
-  filter, aggregates per sequence then over sequences, and computes metrics.
+  filter and any per-sequence weights (ReCo's response weights), aggregates per sequence then
+  over sequences, and computes metrics.
 
 Where this deviates from the authors' code (docs/math.md §5): defaults follow the paper
 (g = 50, k averaged over the sequence's own tokens, filtered sequences zeroed not dropped);
@@ -18,7 +20,9 @@ Micro-batches (docs/math.md §3, §5): every normalisation that spans sequences 
 quantity as an argument (``num_sequences``, ``padded_width``), so the result does not depend on
 how a batch is split. Under ``filter_mode="drop"`` the global count of kept sequences is only
 known after every micro-batch ran; :func:`drop_mode_grad_scale` gives the factor that fixes the
-accumulated gradient afterwards.
+accumulated gradient afterwards. Per-sequence weights that span a group (ReCo's response
+weights, which are normalised within each group) are likewise computed by the caller over the
+whole batch and passed in (``sequence_weights``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from ftis.core.reco import variance_ratio
+
 # Log-ratios are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exp (docs/math.md §3.4):
 # exp(20) ~ 4.9e8 is far beyond any cap or clip range, and finite in fp32.
 LOG_RATIO_CLAMP = 20.0
@@ -39,6 +45,26 @@ FilterMode = Literal["zero", "drop"]
 FILTER_STAT_NORMS: tuple[str, ...] = ("sequence", "padded")
 FILTER_MODES: tuple[str, ...] = ("zero", "drop")
 FILTER_PREFIX = "f-"
+RecoClip = Literal["direction", "sign"]
+RECO_CLIPS: tuple[str, ...] = ("direction", "sign")
+
+
+@dataclass(frozen=True)
+class RecoOptions:
+    """The switches of the ``reco`` term (docs/math.md §8.3); other terms ignore them.
+
+    Attributes:
+        token_ratio: use the variance ratio r in place of the PPO ratio (off: the ratio of the
+            base method: VIS's rho, or 1 under ``tis``).
+        tis: multiply by TIS's detached truncated weight ``min(rho, C)`` (for peers' samples).
+        clip: which tokens the clip masks when r is outside [1 - eps, 1 + eps]: "direction"
+            (default: those whose gradient step moves r further out, sign(A) * sign(1 - 2p))
+            or "sign" (PPO's rule verbatim: A > 0 above the range, A < 0 below it).
+    """
+
+    token_ratio: bool = True
+    tis: bool = False
+    clip: RecoClip = "direction"
 
 
 @dataclass(frozen=True)
@@ -49,9 +75,11 @@ class TokenTermInputs:
         logprobs: (N, T) receiver's log-probs, with grad; 0 at masked-out positions.
         log_ratio: (N, T) ``clamp(logprobs - sampler_logprobs)``, with grad through logprobs;
             0 at masked-out positions.
-        advantages: (N, 1) advantages after the filter, no grad.
+        advantages: (N, 1) advantages after the filter (and any sequence weights), no grad.
         is_cap: C, the TIS truncation cap.
         clip_eps: eps_c, the VIS clip range.
+        sampler_logprobs: (N, T) generator's log-probs, no grad; 0 at masked-out positions.
+        reco: the switches of the ``reco`` term.
     """
 
     logprobs: Tensor
@@ -59,12 +87,14 @@ class TokenTermInputs:
     advantages: Tensor
     is_cap: float
     clip_eps: float
+    sampler_logprobs: Tensor
+    reco: RecoOptions = RecoOptions()
 
 
 @dataclass(frozen=True)
 class TokenTermOutput:
     """A per-token term: ``per_token`` (N, T) loss terms l[i,t]; ``clipped`` (N, T) bool where
-    the PPO clip was active (VIS only, else None)."""
+    the PPO clip was active (VIS and ReCo, else None)."""
 
     per_token: Tensor
     clipped: Tensor | None = None
@@ -101,12 +131,49 @@ def tis_term(x: TokenTermInputs) -> TokenTermOutput:
     return TokenTermOutput(per_token=-weight * _on_policy_factor(x.logprobs) * x.advantages)
 
 
-TOKEN_TERMS: dict[str, TokenTerm] = {"nois": nois_term, "vis": vis_term, "tis": tis_term}
+def reco_term(x: TokenTermInputs) -> TokenTermOutput:
+    """ReCo's token level (docs/math.md §8.3), optionally composed with TIS's weight.
+
+    ``l = -W * (c ? clip(q, 1-eps, 1+eps) A : sg(q) exp(lp - sg(lp)) A)``: value ``-q A`` and
+    gradient ``-W q A grad lp`` on tokens the clip ``c`` leaves alone, a constant on the others.
+    q is the variance ratio r (``reco.token_ratio``), else the base method's ratio; W is
+    ``min(exp(sg(lp) - glp), C)`` under ``reco.tis``, else 1. With the token ratio off the term
+    *is* VIS (no TIS) or TIS (with it), computed by their own functions so that ReCo with both
+    levels off equals ``vis`` bit for bit. Response weights enter through the advantages.
+    """
+    if not x.reco.token_ratio:
+        return tis_term(x) if x.reco.tis else vis_term(x)
+    lp = x.logprobs
+    r = variance_ratio(lp, x.sampler_logprobs)  # detached
+    eps = x.clip_eps
+    if x.reco.clip == "direction":
+        # A gradient step moves p in the direction of A; dr/dp has the sign of (1 - 2p).
+        push = torch.sign(x.advantages) * torch.sign(1.0 - 2.0 * torch.exp(lp.detach()))
+    else:
+        push = torch.sign(x.advantages).expand_as(r)
+    clipped = ((r > 1.0 + eps) & (push > 0)) | ((r < 1.0 - eps) & (push < 0))
+    free = r * _on_policy_factor(lp) * x.advantages
+    per_token = -torch.where(clipped, r.clamp(1.0 - eps, 1.0 + eps) * x.advantages, free)
+    if x.reco.tis:
+        per_token = torch.exp(x.log_ratio.detach()).clamp(max=x.is_cap) * per_token
+    return TokenTermOutput(per_token=per_token, clipped=clipped)
+
+
+TOKEN_TERMS: dict[str, TokenTerm] = {
+    "nois": nois_term,
+    "vis": vis_term,
+    "tis": tis_term,
+    "reco": reco_term,
+}
 METHOD_ALIASES: dict[str, str] = {"grpo": "vis"}
+# The paper's family first (its names, filtered names and aliases), then later terms with theirs.
+_PAPER_TERMS = ("nois", "vis", "tis")
+_LATER_TERMS = tuple(name for name in TOKEN_TERMS if name not in _PAPER_TERMS)
 LOSS_METHODS: tuple[str, ...] = (
-    *TOKEN_TERMS,
-    *(FILTER_PREFIX + name for name in TOKEN_TERMS),
+    *_PAPER_TERMS,
+    *(FILTER_PREFIX + name for name in _PAPER_TERMS),
     *METHOD_ALIASES,
+    *(m for name in _LATER_TERMS for m in (name, FILTER_PREFIX + name)),
 )
 
 
@@ -197,8 +264,12 @@ def policy_loss(
     filter_mode: FilterMode = "zero",
     num_sequences: int | None = None,
     padded_width: int | None = None,
+    sequence_weights: Tensor | None = None,
+    reco_token_ratio: bool = True,
+    reco_tis: bool = False,
+    reco_clip: RecoClip = "direction",
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The policy loss of docs/math.md §3-§5.
+    """The policy loss of docs/math.md §3-§5 and §8.
 
     ``L = (1/N) sum_i (1/|a_i|) sum_t mask[i,t] * l[i,t]``, with l the method's per-token term.
 
@@ -208,8 +279,8 @@ def policy_loss(
         advantages: (N,) float, computed over whole groups (before filtering).
         mask: (N, T) bool, True = token counts. Values at masked-out positions are ignored, even
             NaN or inf.
-        method: one of ``LOSS_METHODS``: "nois", "vis" (= "grpo"), "tis", "f-nois", "f-vis",
-            "f-tis". The "f-" prefix applies the filter of §4.
+        method: one of ``LOSS_METHODS``: "nois", "vis" (= "grpo"), "tis", "reco", "f-nois",
+            "f-vis", "f-tis", "f-reco". The "f-" prefix applies the filter of §4.
         is_cap: C, the TIS cap (may be ``inf`` for untruncated IS).
         clip_eps: eps_c, the VIS clip range, in [0, 1).
         filter_threshold: g, the filter threshold on D_i.
@@ -229,6 +300,19 @@ def policy_loss(
         padded_width: under ``filter_stat_norm="padded"``, the width D_i is divided by: pass
             the whole batch's padded width when these tensors are a micro-batch trimmed to its
             own longest completion. None: T = ``logprobs.shape[1]``. Ignored otherwise.
+        sequence_weights: (N,) float, positive, no grad, or None (all 1): a weight multiplying
+            each sequence's term, applied after the filter (which decides on the unweighted
+            advantages). ReCo's response weights (§8.1): compute them with
+            ``ftis.core.reco.reco_weights`` over the **whole** batch (they are normalised within
+            each group) and pass each micro-batch its slice, so the result does not depend on
+            the split. ``method="reco"`` without them is ReCo with the response level off. Any
+            method accepts them.
+        reco_token_ratio: ``reco`` only: the variance ratio replaces the PPO ratio (§8.2);
+            False: the ratio of VIS (or TIS's, under ``reco_tis``).
+        reco_tis: ``reco`` only: also multiply by TIS's weight ``min(exp(sg(lp) - glp), C)``,
+            detached (§8.3: a truncated ReCo for peers' samples).
+        reco_clip: ``reco`` only: "direction" (default) or "sign", which out-of-range tokens
+            the clip masks (§8.3).
 
     Returns:
         ``(loss, metrics)``: loss a scalar tensor (fp32 or wider); metrics 0-dim tensors without
@@ -236,13 +320,16 @@ def policy_loss(
         not filtered, as a float; all of them for methods without the "f-" prefix),
         ``is_weight_mean``, ``is_weight_max`` (ratio ``exp(lp - glp)`` over masked tokens,
         before truncation), ``truncated_frac`` (masked tokens with ratio > C), ``clip_frac``
-        (VIS only, else 0), ``filter_stat_mean`` (mean D_i over non-empty sequences, reported
-        for every method).
+        (VIS and ReCo: masked tokens whose clip was active, else 0), ``filter_stat_mean`` (mean
+        D_i over non-empty sequences, reported for every method).
     """
     term_name, use_filter = resolve_method(method)
     _check_inputs(logprobs, sampler_logprobs, advantages, mask)
     _check_options(is_cap, clip_eps, filter_threshold, filter_stat_norm, filter_mode)
     _check_padded_width(padded_width)
+    _check_sequence_weights(sequence_weights, logprobs.shape[0])
+    if reco_clip not in RECO_CLIPS:
+        raise ValueError(f"reco_clip must be one of {RECO_CLIPS}, got {reco_clip!r}")
     num_local = logprobs.shape[0]
     _check_num_sequences(num_sequences, num_local, filter_mode)
 
@@ -265,6 +352,8 @@ def policy_loss(
     else:
         filtered = torch.zeros_like(adv, dtype=torch.bool)
     adv = torch.where(filtered, torch.zeros_like(adv), adv)
+    if sequence_weights is not None:
+        adv = adv * sequence_weights.detach().to(device=adv.device, dtype=adv.dtype)
 
     term = TOKEN_TERMS[term_name](
         TokenTermInputs(
@@ -273,6 +362,8 @@ def policy_loss(
             advantages=adv[:, None],
             is_cap=is_cap,
             clip_eps=clip_eps,
+            sampler_logprobs=glp,
+            reco=RecoOptions(token_ratio=reco_token_ratio, tis=reco_tis, clip=reco_clip),
         )
     )
     denominator = _loss_denominator(num_local, filtered, filter_mode, num_sequences, dtype=lp.dtype)
@@ -429,6 +520,16 @@ def _check_num_sequences(num_sequences: int | None, num_local: int, filter_mode:
         raise ValueError(
             f"num_sequences (the global N) must be >= {minimum}, the number of sequences in "
             f"this micro-batch, got {num_sequences}"
+        )
+
+
+def _check_sequence_weights(weights: Tensor | None, num_local: int) -> None:
+    if weights is None:
+        return
+    if tuple(weights.shape) != (num_local,) or not weights.dtype.is_floating_point:
+        raise ValueError(
+            f"sequence_weights must be a float tensor of shape ({num_local},), one per "
+            f"sequence, got {weights.dtype} {tuple(weights.shape)}"
         )
 
 

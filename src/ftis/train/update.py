@@ -1,14 +1,22 @@
-"""The policy-gradient update of one step: receiver log-probs, the policy loss, one optimizer
-step. Shared by every algorithm that trains with a GRPO-family loss."""
+"""The policy-gradient update: receiver log-probs, the policy loss, one optimizer step
+(`update`). Shared by every algorithm that trains with a GRPO-family loss.
+
+Several optimizer steps per generation round (PPO-style reuse of the round's samples,
+``train.update_epochs`` x ``train.mini_batches``) are planned by `round_plan`, their metrics
+summarised by `mean_step_metrics`; ReCo's response weights, normalised within whole groups, are
+computed once per round by `response_weights` and sliced into every step.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
 
 from ftis.config import LossConfig
-from ftis.core.losses import drop_mode_grad_scale, policy_loss
+from ftis.core.losses import drop_mode_grad_scale, policy_loss, resolve_method
+from ftis.core.reco import reco_weights, variance_ratio_summary
 from ftis.models.logprobs import shared_prompt_completion_logprobs
 from ftis.rollout.sampler import left_pad
 from ftis.rollout.types import RolloutBatch
@@ -30,6 +38,8 @@ def update(
     micro_batch_size: int,
     temperature: float = 1.0,
     skip_zero_advantage: bool = True,
+    sequence_weights: torch.Tensor | None = None,
+    group_size: int | None = None,
 ) -> dict[str, float]:
     """One optimizer step on `batch`: receiver log-probs, policy loss, backward, clip, step.
 
@@ -47,13 +57,23 @@ def update(
     exactly 0 to the loss and its gradient under every method, so with filter_mode "zero" they are
     not run through the model at all (`skip_zero_advantage`); N still counts them. The IS and
     filter statistics are then over the sequences that were run (`loss/active_frac` of N).
+
+    sequence_weights: (N,) per-sequence weights passed to the loss (ReCo's response weights,
+    docs/math.md §8.1), computed over the whole round's batch when `batch` is one of its
+    mini-batches. None: under a reco method with `reco_response_weights`, computed here over
+    `batch` (with `group_size`, default the largest group's size), else no weights.
     """
     tok = node.tokenizer
     n_total = batch.num_sequences
+    reco = resolve_method(loss_cfg.method)[0] == "reco"
+    if sequence_weights is None:
+        sequence_weights = response_weights(batch, loss_cfg, group_size=group_size)
     if skip_zero_advantage and loss_cfg.filter_mode == "zero":
         active = advantages != 0
         if not bool(active.all()):
             batch, advantages = batch.select(active), advantages[active]
+            if sequence_weights is not None:
+                sequence_weights = sequence_weights[active]
     n = batch.num_sequences
     train = task.split("train")
     prompt_cache: dict[int, list[int]] = {}
@@ -100,7 +120,17 @@ def update(
             filter_mode=loss_cfg.filter_mode,
             num_sequences=n_total,
             padded_width=width_all,
+            sequence_weights=None if sequence_weights is None else sequence_weights[sl].to(dev),
+            reco_token_ratio=loss_cfg.reco_token_ratio,
+            reco_tis=loss_cfg.reco_tis,
+            reco_clip=loss_cfg.reco_clip,
         )
+        if reco and loss_cfg.reco_token_ratio:
+            metrics.update(
+                variance_ratio_summary(
+                    logprobs, batch.sampler_logprobs[sl, :width].to(dev), mask.to(dev)
+                )
+            )
         if not torch.isfinite(loss):
             node.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteError(
@@ -135,6 +165,8 @@ def update(
             num_sequences=n_total,
         )
         totals.update({k: float(v) for k, v in empty.items()})
+        if reco and loss_cfg.reco_token_ratio:
+            totals.update(variance_ratio_mean=0.0, variance_ratio_max=0.0)
     else:
         totals["filtered_frac"] = totals.get("filtered_frac", 0.0) * n / n_total
         totals["kept_sequences"] = kept_total
@@ -145,6 +177,9 @@ def update(
                     p.grad.mul_(scale)
             totals["loss"] *= scale
     totals["active_frac"] = n / n_total if n_total else 0.0
+    if sequence_weights is not None:
+        totals["reco_weight_max"] = float(sequence_weights.max()) if n else 0.0
+        totals["reco_weight_min"] = float(sequence_weights.min()) if n else 0.0
     grad_norm = torch.nn.utils.clip_grad_norm_(params, node.cfg.optim.grad_clip)
     if not torch.isfinite(grad_norm):
         node.optimizer.zero_grad(set_to_none=True)
@@ -153,3 +188,73 @@ def update(
     node.optimizer.zero_grad(set_to_none=True)
     totals["grad_norm"] = float(grad_norm)
     return totals
+
+
+def response_weights(
+    batch: RolloutBatch, loss_cfg: LossConfig, *, group_size: int | None = None
+) -> torch.Tensor | None:
+    """(N,) ReCo response weights of `batch` (docs/math.md §8.1), or None when the loss does not
+    use them (not a reco method, or `reco_response_weights` off). A group is every sequence of
+    one prompt; `group_size` is G (train.group_size), by default the largest group's size.
+    Compute them over a round's whole batch: they are normalised within each group."""
+    if resolve_method(loss_cfg.method)[0] != "reco" or not loss_cfg.reco_response_weights:
+        return None
+    if group_size is None:
+        counts = torch.unique(batch.prompt_index, return_counts=True)[1]
+        group_size = int(counts.max()) if counts.numel() else 1
+    return reco_weights(
+        batch.sampler_logprobs,
+        batch.mask,
+        batch.prompt_index,
+        group_size,
+        w_max=loss_cfg.reco_w_max,
+    )
+
+
+def minibatch_seed(seed: int, step: int) -> int:
+    """The seed of the mini-batch shuffles of round `step` (keyed by (train.seed, step), so a
+    resumed run shuffles as the uninterrupted one did)."""
+    key = hashlib.blake2b(f"ftis-minibatch:{seed}:{step}".encode(), digest_size=8)
+    return int.from_bytes(key.digest(), "little") & ((1 << 63) - 1)
+
+
+def round_plan(
+    num_sequences: int, *, epochs: int = 1, mini_batches: int = 1, seed: int = 0
+) -> list[torch.Tensor | None]:
+    """The sequences of each optimizer step of one generation round, in order.
+
+    `epochs` passes over the round's `num_sequences` sequences; each pass is shuffled with a
+    generator seeded by `seed` and split into `mini_batches` parts of near-equal size (empty
+    parts, when there are fewer sequences than mini-batches, are left out). None stands for the
+    whole batch in its own order: with one mini-batch nothing is shuffled, so the default (1, 1)
+    is exactly one step on the batch as it came.
+    """
+    if epochs < 1 or mini_batches < 1:
+        raise ValueError(f"epochs and mini_batches must be >= 1, got {epochs}, {mini_batches}")
+    if mini_batches == 1:
+        return [None] * epochs
+    gen = torch.Generator().manual_seed(seed)
+    plan: list[torch.Tensor | None] = []
+    for _ in range(epochs):
+        order = torch.randperm(num_sequences, generator=gen)
+        plan += [part for part in torch.tensor_split(order, mini_batches) if part.numel()]
+    return plan
+
+
+def mean_step_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics of a round's optimizer steps in one dict: keys ending in `_max` take the
+    maximum, `_min` the minimum, every other key the mean over the steps that report it."""
+    out: dict[str, float] = {}
+    seen: dict[str, int] = {}
+    for metrics in steps:
+        for k, v in metrics.items():
+            if k not in out:
+                out[k], seen[k] = v, 1
+            elif k.endswith("_max"):
+                out[k] = max(out[k], v)
+            elif k.endswith("_min"):
+                out[k] = min(out[k], v)
+            else:
+                out[k] += v
+                seen[k] += 1
+    return {k: v if k.endswith(("_max", "_min")) else v / seen[k] for k, v in out.items()}
