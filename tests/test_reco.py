@@ -190,7 +190,7 @@ def test_several_steps_reuse_the_rounds_samples(monkeypatch):
         calls.append((part, part_adv, kw["sequence_weights"], m))
         return m
 
-    monkeypatch.setattr("ftis.algos.ftis.algorithm.update", spy)
+    monkeypatch.setattr("ftis.train.update.update", spy)
     out = _algorithm(node, update_epochs=2, mini_batches=2)._update(batch, adv, step=3)
     assert out["train/optimizer_steps"] == 4 and len(calls) == 4
     whole_w = reco_weights(batch.sampler_logprobs, batch.mask, batch.prompt_index, 4)

@@ -213,7 +213,7 @@ def test_nan_logits_skip_the_update_and_are_counted(tmp_path, monkeypatch):
     # Run every sequence through the model, even in groups whose advantages are all 0.
     real_update = update_mod.update
     monkeypatch.setattr(
-        "ftis.algos.ftis.algorithm.update",
+        "ftis.train.update.update",
         lambda *a, **k: real_update(*a, **k, skip_zero_advantage=False),
     )
 

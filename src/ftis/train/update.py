@@ -10,11 +10,12 @@ computed once per round by `response_weights` and sliced into every step.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 
 import torch
 
-from ftis.config import LossConfig
+from ftis.config import LossConfig, TrainConfig
 from ftis.core.losses import drop_mode_grad_scale, policy_loss, resolve_method
 from ftis.core.reco import reco_weights, variance_ratio_summary
 from ftis.models.logprobs import shared_prompt_completion_logprobs
@@ -22,6 +23,8 @@ from ftis.rollout.sampler import left_pad
 from ftis.rollout.types import RolloutBatch
 from ftis.tasks.base import Task
 from ftis.train.node import Node
+
+log = logging.getLogger(__name__)
 
 
 class NonFiniteError(RuntimeError):
@@ -258,3 +261,55 @@ def mean_step_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
                 out[k] += v
                 seen[k] += 1
     return {k: v if k.endswith(("_max", "_min")) else v / seen[k] for k, v in out.items()}
+
+
+def train_on_round(
+    node: Node,
+    task: Task,
+    batch: RolloutBatch,
+    advantages: torch.Tensor,
+    *,
+    train: TrainConfig,
+    step: int,
+) -> tuple[dict[str, float], int]:
+    """The optimizer steps of one generation round: one on the whole batch by default, else
+    `train.update_epochs` passes of `train.mini_batches` shuffled mini-batches. Advantages and
+    ReCo's response weights come from the whole round (whole groups); the sampler log-probs stay
+    the sampler's in every pass. Returns (`loss/*` metrics: means over the steps, maxima for
+    *_max, minima for *_min, and `train/optimizer_steps`; the number of steps skipped as
+    non-finite: the others still run)."""
+    loss_cfg = node.cfg.loss
+    weights = response_weights(batch, loss_cfg, group_size=train.group_size)
+    plan = round_plan(
+        batch.num_sequences,
+        epochs=train.update_epochs,
+        mini_batches=train.mini_batches,
+        seed=minibatch_seed(train.seed, step),
+    )
+    done: list[dict[str, float]] = []
+    skipped = 0
+    for idx in plan:
+        part, part_adv, part_w = batch, advantages, weights
+        if idx is not None:
+            part, part_adv = batch.select(idx), advantages[idx]
+            part_w = None if weights is None else weights[idx]
+        try:
+            done.append(
+                update(
+                    node,
+                    task,
+                    part,
+                    part_adv,
+                    loss_cfg=loss_cfg,
+                    micro_batch_size=train.micro_batch_size,
+                    temperature=train.temperature,
+                    sequence_weights=part_w,
+                    group_size=train.group_size,
+                )
+            )
+        except NonFiniteError as e:
+            log.warning("node %s step %d: update skipped: %s", node.name, step, e)
+            skipped += 1
+    out = {f"loss/{k}": v for k, v in mean_step_metrics(done).items()}
+    out["train/optimizer_steps"] = float(len(done))
+    return out, skipped

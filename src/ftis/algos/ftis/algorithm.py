@@ -27,14 +27,7 @@ from ftis.train import scoring
 from ftis.train.evaluate import evaluate
 from ftis.train.sampling import generate
 from ftis.train.seeds import adversary_seed, eval_seed
-from ftis.train.update import (
-    NonFiniteError,
-    mean_step_metrics,
-    minibatch_seed,
-    response_weights,
-    round_plan,
-    update,
-)
+from ftis.train.update import train_on_round
 
 log = logging.getLogger(__name__)
 
@@ -170,45 +163,9 @@ class FTISAlgorithm:
         return rejected
 
     def _update(self, batch: RolloutBatch, adv: torch.Tensor, step: int) -> dict[str, float]:
-        """The round's optimizer steps: one on the whole batch by default, else
-        train.update_epochs passes of train.mini_batches shuffled mini-batches. Advantages and
-        ReCo's response weights come from the whole round (whole groups); the sampler log-probs
-        stay the sampler's in every pass. loss/* are means over the steps (maxima for *_max,
-        minima for *_min); a non-finite step is skipped and counted, the others still run."""
-        tc, loss_cfg = self.cfg.train, self.node.cfg.loss
-        weights = response_weights(batch, loss_cfg, group_size=tc.group_size)
-        plan = round_plan(
-            batch.num_sequences,
-            epochs=tc.update_epochs,
-            mini_batches=tc.mini_batches,
-            seed=minibatch_seed(tc.seed, step),
+        out, skipped = train_on_round(
+            self.node, self.task, batch, adv, train=self.cfg.train, step=step
         )
-        done: list[dict[str, float]] = []
-        skipped = 0
-        for idx in plan:
-            part, part_adv, part_w = batch, adv, weights
-            if idx is not None:
-                part, part_adv = batch.select(idx), adv[idx]
-                part_w = None if weights is None else weights[idx]
-            try:
-                done.append(
-                    update(
-                        self.node,
-                        self.task,
-                        part,
-                        part_adv,
-                        loss_cfg=loss_cfg,
-                        micro_batch_size=tc.micro_batch_size,
-                        temperature=tc.temperature,
-                        sequence_weights=part_w,
-                        group_size=tc.group_size,
-                    )
-                )
-            except NonFiniteError as e:
-                log.warning("node %s step %d: update skipped: %s", self.node.name, step, e)
-                skipped += 1
-        out: dict[str, float] = {f"loss/{k}": v for k, v in mean_step_metrics(done).items()}
-        out["train/optimizer_steps"] = float(len(done))
         out["train/skipped_update"] = skipped
         self.counters["skipped_updates_total"] += skipped
         out["train/skipped_updates_total"] = self.counters["skipped_updates_total"]
