@@ -227,7 +227,8 @@ def test_a_service_rank_runs_beside_the_nodes(tmp_path, monkeypatch):
     cfg.write_text(yaml.safe_dump(data))
     out = tmp_path / "run"
     res = CliRunner().invoke(app, ["run", str(cfg), "--out", str(out)])
-    assert res.exit_code == 0, res.output
+    logs = "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in (out / "logs").glob("*.log"))
+    assert res.exit_code == 0, res.output + logs
     rows = _rows(out)
     by = {(r["node"], r["step"]): r for r in rows}
     # step s: node xs sends s, node ys sends 2s
