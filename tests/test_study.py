@@ -203,7 +203,8 @@ class TestResults:
         assert "Partial results: 9 of 17 runs complete" in text
         assert "My reading." in text and text.count(READING_BEGIN) == 1
         for png in ("curves.png", "budget-tokens.png", "budget-time.png"):
-            assert (tmp_path / "results" / png).exists() and f"results/{png}" in text
+            assert (tmp_path / "results" / "results" / png).exists()
+            assert f"results/results/{png}" in text
 
 
 def test_tiny_sweep_through_the_cli(tmp_path):

@@ -2,8 +2,10 @@
 solves part of the task, so that RL has something to sharpen (nothing can be downloaded here).
 
 Deterministic from its seed and cached on disk, keyed by everything that affects the weights.
-The data mix (`mix`) reweights the arithmetic operations, which makes models with different
-expertise from one preset.
+The data mix (`mix`) reweights the arithmetic operations (or the reasoning task's skills), which
+makes models with different expertise from one preset. The supervised target is the task's
+`warmstart_target(problem)` when it has one (the reasoning task's worked trace and answer), else
+the bare answer.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ftis.models.loading import ModelConfig, build_model, load_tokenizer, save_m
 from ftis.models.logprobs import completion_logprobs
 from ftis.rollout.sampler import left_pad
 from ftis.tasks import build_task
-from ftis.tasks.base import Task
+from ftis.tasks.base import Problem, Task
 from ftis.warmstart_config import WarmStartConfig
 
 log = logging.getLogger(__name__)
@@ -38,12 +40,26 @@ def cache_root() -> Path:
     return Path(os.environ.get("FTIS_CACHE", Path.home() / ".cache" / "ftis"))
 
 
+# task kind -> the task config field that `warm_start.mix` replaces
+MIX_FIELDS = {"arithmetic": "ops", "reasoning": "skills"}
+
+
 def warmstart_task(task_cfg: BaseModel, ws: WarmStartConfig) -> Task:
     if ws.mix is None:
         return build_task(task_cfg)
-    if getattr(task_cfg, "kind", None) != "arithmetic":
-        raise ValueError("warm_start.mix only applies to the arithmetic task; remove it")
-    return build_task(task_cfg.model_copy(update={"ops": ws.mix}))
+    field = MIX_FIELDS.get(getattr(task_cfg, "kind", None))
+    if field is None:
+        raise ValueError(
+            "warm_start.mix only applies to the arithmetic task (operation weights) and the "
+            "reasoning task (skill weights); remove it"
+        )
+    return build_task(task_cfg.model_copy(update={field: ws.mix}))
+
+
+def warmstart_target(task: Task, problem: Problem) -> str:
+    """The supervised completion text (without EOS): the task's own target, else the answer."""
+    target = getattr(task, "warmstart_target", None)
+    return problem.answer if target is None else target(problem)
 
 
 def cache_key(model_cfg: ModelConfig, ws: WarmStartConfig, task_cfg: BaseModel) -> str:
@@ -78,14 +94,16 @@ def warm_start(
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
     rng = random.Random(ws.seed)
     torch.manual_seed(ws.seed)
-    train = task.split("train")
+    split = getattr(task, "warmstart_split", None)  # a task's own pre-training mix, if any
+    train = task.split("train") if split is None else split()
     t0 = time.perf_counter()
     loss_value = float("nan")
     for step in range(ws.steps):
         problems = [train[rng.randrange(len(train))] for _ in range(ws.batch_size)]
         prompts = [task.prompt_ids(p, tok) for p in problems]
         answers = [
-            tok.encode(p.answer, add_special_tokens=False) + [tok.eos_token_id] for p in problems
+            tok.encode(warmstart_target(task, p), add_special_tokens=False) + [tok.eos_token_id]
+            for p in problems
         ]
         prompt_ids, prompt_mask = left_pad(prompts, tok.pad_token_id)
         width = max(len(a) for a in answers)

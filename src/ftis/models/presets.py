@@ -32,6 +32,9 @@ PRESETS: dict[str, Preset] = {
     "llama-s": Preset("llama", layers=3, hidden=96, heads=4, kv_heads=2, intermediate=256),
     "llama-m": Preset("llama", layers=4, hidden=128, heads=4, kv_heads=4, intermediate=384),
     "llama-l": Preset("llama", layers=6, hidden=192, heads=6, kv_heads=3, intermediate=512),
+    # 0.20M: llama-xs's width with llama-m's depth; the small node of the reasoning study's size
+    # pairing (llama-m has 4.3x its parameters)
+    "llama-xs-deep": Preset("llama", layers=4, hidden=64, heads=4, kv_heads=2, intermediate=192),
     "qwen2-s": Preset("qwen2", layers=3, hidden=96, heads=4, kv_heads=2, intermediate=256),
     "qwen2-m": Preset("qwen2", layers=4, hidden=128, heads=4, kv_heads=2, intermediate=384),
 }

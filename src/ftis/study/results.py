@@ -407,7 +407,9 @@ def render(
     ]
     L += _budget_table(study, results)
     L += ["", "## Curves", ""]
-    assets = report_path.parent / "results"
+    # one folder per document (docs/RESULTS.md -> docs/results/results/), so two studies'
+    # reports in the same folder never overwrite each other's plots
+    assets = report_path.parent / "results" / report_path.stem.lower()
     rel_assets = os.path.relpath(assets, report_path.parent)
     for name, x, title in [
         ("curves.png", "steps", "Test accuracy against RL step (mean over seeds)."),

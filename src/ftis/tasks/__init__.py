@@ -1,4 +1,4 @@
-"""Prompt sources and verifiers: the embedded arithmetic task and GSM8K-style tasks.
+"""Prompt sources and verifiers: the embedded arithmetic and reasoning tasks, GSM8K-style tasks.
 
 ``TaskConfig`` is the discriminated union (on ``kind``) that the run config embeds;
 ``build_task`` turns one into a ``Task``.
@@ -22,14 +22,23 @@ from ftis.tasks.gsm8k import (
     fixture_path,
     gold_answer,
 )
+from ftis.tasks.reasoning import ReasoningTask, ReasoningTaskConfig, ReasoningVariant
 
-TaskConfig = Annotated[ArithmeticTaskConfig | GSM8KTaskConfig, Field(discriminator="kind")]
+TaskConfig = Annotated[
+    ArithmeticTaskConfig | GSM8KTaskConfig | ReasoningTaskConfig, Field(discriminator="kind")
+]
 
 # kind -> constructor; a new task is one entry here and one member of TaskConfig.
-TASKS: dict[str, Callable[[Any], Task]] = {"arithmetic": ArithmeticTask, "gsm8k": GSM8KTask}
+TASKS: dict[str, Callable[[Any], Task]] = {
+    "arithmetic": ArithmeticTask,
+    "gsm8k": GSM8KTask,
+    "reasoning": ReasoningTask,
+}
 
 
-def build_task(cfg: ArithmeticTaskConfig | GSM8KTaskConfig | Mapping[str, Any]) -> Task:
+def build_task(
+    cfg: ArithmeticTaskConfig | GSM8KTaskConfig | ReasoningTaskConfig | Mapping[str, Any],
+) -> Task:
     """Build the task a config describes; a plain mapping is validated as a ``TaskConfig`` first."""
     if isinstance(cfg, Mapping):
         cfg = TypeAdapter(TaskConfig).validate_python(cfg)
@@ -45,6 +54,9 @@ __all__ = [
     "GSM8KTask",
     "GSM8KTaskConfig",
     "Problem",
+    "ReasoningTask",
+    "ReasoningTaskConfig",
+    "ReasoningVariant",
     "Task",
     "TaskConfig",
     "TaskDataError",
