@@ -58,6 +58,9 @@ class FTISConfig(AlgorithmConfig):
 
 Factory = Callable[["NodeContext"], "Algorithm"]
 Serve = Callable[["ServiceContext"], None]
+# launcher(cfg, run_dir, *, console, resume) -> MultiResult: runs the whole run itself (e.g.
+# through Flower's simulation engine) instead of ftis's own launcher.
+Launcher = Callable[..., Any]
 
 
 def _resolve(target: str | Callable) -> Callable:
@@ -69,13 +72,16 @@ def _resolve(target: str | Callable) -> Callable:
 
 @dataclass(frozen=True)
 class AlgorithmSpec:
-    """A registered algorithm: its config class, the factory of its per-node object, and (for
-    algorithms with service ranks) the function a service rank runs until the run ends."""
+    """A registered algorithm: its config class, the factory of its per-node object, (for
+    algorithms with service ranks) the function a service rank runs until the run ends, and
+    (optionally) a launcher that starts the whole run itself instead of ftis's own launcher
+    (`ftis.launch.run_local` hands it the run)."""
 
     kind: str
     config: type[AlgorithmConfig]
     factory: str | Factory
     service: str | Serve | None = None
+    launcher: str | Launcher | None = None
 
     def build(self, ctx: NodeContext) -> Algorithm:
         """The algorithm for the node that `ctx` describes."""
@@ -89,6 +95,12 @@ class AlgorithmSpec:
             )
         _resolve(self.service)(ctx)
 
+    def launch(self, cfg: Any, run_dir: Any, **kwargs: Any) -> Any:
+        """Run `cfg` with this algorithm's own launcher (`launcher` must be set)."""
+        if self.launcher is None:
+            raise ValueError(f"algorithm {self.kind!r} registered no launcher")
+        return _resolve(self.launcher)(cfg, run_dir, **kwargs)
+
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {}
 
@@ -99,9 +111,10 @@ def register_algorithm(
     factory: str | Factory,
     *,
     service: str | Serve | None = None,
+    launcher: str | Launcher | None = None,
 ) -> AlgorithmSpec:
     """Make `kind` available to `config.algorithm.kind` (replacing an earlier registration)."""
-    spec = AlgorithmSpec(kind, config, factory, service)
+    spec = AlgorithmSpec(kind, config, factory, service, launcher)
     ALGORITHMS[kind] = spec
     return spec
 
@@ -125,3 +138,18 @@ def get_algorithm(kind: str) -> AlgorithmSpec:
 
 
 register_algorithm("ftis", FTISConfig, "ftis.algos.ftis.algorithm:FTISAlgorithm")
+
+
+def _register_fgrpo() -> None:
+    # Imported here: its config module subclasses AlgorithmConfig, defined above.
+    from ftis.algos.fgrpo.config import FGRPOConfig
+
+    register_algorithm(
+        "fgrpo",
+        FGRPOConfig,
+        "ftis.algos.fgrpo.launch:not_a_node",
+        launcher="ftis.algos.fgrpo.launch:run_federated",
+    )
+
+
+_register_fgrpo()

@@ -51,7 +51,13 @@ def run_local(
     one process per rank (ftis.launch.multi, ftis.launch.worker). `resume` continues every node
     from its newest checkpoint. Ctrl-C stops the nodes after a checkpoint, then raises
     KeyboardInterrupt. A node lost while the others finished raises NodesLostError (a
-    LaunchError) after they wrote everything."""
+    LaunchError) after they wrote everything. An algorithm registered with its own launcher
+    (e.g. fgrpo, through Flower's simulation engine) is handed the run instead."""
+    from ftis.algos import get_algorithm
+
+    spec = get_algorithm(cfg.algorithm.kind)
+    if spec.launcher is not None:
+        return spec.launch(cfg, run_dir, console=console, resume=resume)
     if len(cfg.rank_names) != 1:
         from ftis.launch.multi import run_multi
 

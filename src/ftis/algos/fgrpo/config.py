@@ -1,0 +1,214 @@
+"""The `algorithm:` section of an FGRPO run (kind: fgrpo). Pydantic only: reading a config
+imports no model code and no Flower.
+
+The run's `nodes` are the clients (data owners); `train.steps` is the number of federated
+rounds, so a row's `step` is its round; `train.prompts_per_step`, `group_size`,
+`max_new_tokens`, `temperature`, `update_epochs`, `mini_batches` shape each local GRPO step.
+Each client's own data is the run's `task` with the overrides in `clients.<name>.task`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ftis.algos import AlgorithmConfig
+
+SERVER_NAME = "server"  # the server's rows (`node: server`) and checkpoints (nodes/server/)
+
+
+class ClientSpec(BaseModel):
+    """One client's data: its task mix and reward scale."""
+
+    model_config = ConfigDict(extra="forbid")
+    task: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Overrides of the run's `task` section for this client's data, e.g. "
+        "{ops: {'*': 1.0}} (arithmetic) or {skills: {mul: 1.0}} (reasoning).",
+    )
+    reward_scale: float = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Multiplies this client's verifier rewards (training and performance "
+        "signal; not eval/accuracy): 10 makes a 0/10 reward.",
+    )
+    prompts_per_step: int | None = Field(
+        None,
+        ge=1,
+        description="Prompts per local step for this client (its data size per round, which "
+        "FedAvg weights by); null = train.prompts_per_step.",
+    )
+
+
+class SimulationConfig(BaseModel):
+    """Flower's simulation engine (Ray) on this machine."""
+
+    model_config = ConfigDict(extra="forbid")
+    num_cpus: int = Field(2, ge=1, description="CPUs Ray may use for the clients.")
+    client_cpus: float = Field(
+        1.0, gt=0, description="CPUs per client: num_cpus / client_cpus clients run at once."
+    )
+    client_gpus: float = Field(
+        0.0, ge=0, description="GPU share per client (0 = clients train on the CPU)."
+    )
+    round_timeout_s: float = Field(
+        3600.0,
+        gt=0,
+        description="Seconds the server waits for a round's replies; a client that has not "
+        "replied by then counts as dropped for that round.",
+    )
+    verbose: bool = Field(False, description="Show Flower's and Ray's own logs.")
+
+
+class FGRPOConfig(AlgorithmConfig):
+    """Federated GRPO (methods-wave2.md §1, docs/fgrpo.md): each sampled client runs
+    `local_steps` GRPO steps from the global model on its own task and sends its parameter
+    delta, a performance signal and its sample count; the server weights the deltas (by default
+    by relative performance gain against each client's own baseline) and applies them with
+    `server_lr`. Runs through Flower's simulation engine."""
+
+    kind: Literal["fgrpo"] = "fgrpo"
+    local_steps: int = Field(4, ge=1, description="E: local GRPO steps per client per round.")
+    clients_per_round: int = Field(
+        0,
+        ge=0,
+        description="Clients sampled per round (seeded by train.seed and the round); 0 = all.",
+    )
+    aggregation: Literal["relative-gain", "fedavg", "uniform", "reward"] = Field(
+        "relative-gain",
+        description="Client weights: relative-gain (FGRPO), fedavg (sample counts), uniform, "
+        "or reward (proportional to the performance signal; not scale-invariant).",
+    )
+    server_lr: float = Field(
+        1.0, gt=0, allow_inf_nan=False, description="eta_s: theta += eta_s * sum_k w_k delta_k."
+    )
+    temperature: float = Field(
+        1.0, gt=0, allow_inf_nan=False, description="tau of softmax(g / tau) (relative-gain)."
+    )
+    floor: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Uniform share mixed into the relative-gain weights: "
+        "w = (1 - floor) * softmax(g / tau) + floor / K.",
+    )
+    gain: Literal["relative", "log-ratio"] = Field(
+        "relative",
+        description="relative: (P - B) / max(|B|, 1e-8); log-ratio: log(P / B) (both "
+        "scale-invariant).",
+    )
+    gain_clip: float | None = Field(
+        None,
+        gt=0,
+        description="Clip gains to [-gain_clip, gain_clip] before weighting (a relative gain "
+        "against a baseline near 0 is huge); null = no clipping (the spec's formula).",
+    )
+    weighting: Literal["softmax", "clipped-positive"] = Field(
+        "softmax",
+        description="softmax(g / tau), or proportional to max(g, 0) (uniform when none is "
+        "positive); floor applies to both.",
+    )
+    size_mix: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Mix relative-gain weights with data-size weights: "
+        "(1 - size_mix) * w_gain + size_mix * n_k / sum n.",
+    )
+    baseline: Literal["ema", "mean", "best"] = Field(
+        "ema", description="Each client's baseline B_k: EMA, running mean, or best so far."
+    )
+    baseline_momentum: float = Field(
+        0.9, ge=0, le=1, description="gamma of the EMA baseline: B <- gamma B + (1 - gamma) P."
+    )
+    performance: Literal["eval", "train"] = Field(
+        "eval",
+        description="The performance signal P_k: 'eval' = mean (scaled) verifier reward of "
+        "greedy answers on the client's held-out local batch after local training; 'train' = "
+        "mean training reward of its last local step.",
+    )
+    performance_size: int = Field(
+        64, ge=1, description="Problems in each client's held-out local batch (performance)."
+    )
+    clients: dict[str, ClientSpec] = Field(
+        default_factory=dict,
+        description="Per-client data (task overrides, reward scale), keyed by node name; a "
+        "node not listed trains on the run's task with reward scale 1.",
+    )
+    simulation: SimulationConfig = Field(default_factory=SimulationConfig)
+
+    @field_validator("gain_clip")
+    @classmethod
+    def _finite_clip(cls, v: float | None) -> float | None:
+        if v is not None and not math.isfinite(v):
+            raise ValueError("gain_clip must be a finite number or null")
+        return v
+
+    def service_ranks(self, run: Any) -> list[str]:
+        return [SERVER_NAME]
+
+    def client_spec(self, name: str) -> ClientSpec:
+        return self.clients.get(name) or ClientSpec()
+
+    def client_task(self, run: Any, name: str) -> dict[str, Any]:
+        """Client `name`'s task config (the run's task with its overrides), as a dict."""
+        return {**run.task.model_dump(), **self.client_spec(name).task}
+
+    def check_run(self, run: Any) -> None:
+        from pydantic import TypeAdapter, ValidationError
+
+        from ftis.tasks import TaskConfig
+
+        names = [n.name for n in run.nodes]
+        if SERVER_NAME in names:
+            raise ValueError(
+                f"a node is named {SERVER_NAME!r}, the name of the federated server's rows and "
+                "checkpoints; rename it"
+            )
+        unknown = sorted(set(self.clients) - set(names))
+        if unknown:
+            raise ValueError(
+                f"algorithm.clients names unknown nodes {unknown}; use node names "
+                f"({', '.join(names)})"
+            )
+        if self.clients_per_round > len(names):
+            raise ValueError(
+                f"algorithm.clients_per_round={self.clients_per_round} exceeds the "
+                f"{len(names)} clients (nodes); lower it, or 0 for all"
+            )
+        first = run.nodes[0]
+        for node in run.nodes[1:]:
+            if (
+                node.model.model_dump(exclude={"device"})
+                != first.model.model_dump(exclude={"device"})
+                or node.warm_start != first.warm_start
+            ):
+                raise ValueError(
+                    f"node {node.name!r} has another model or warm_start than {first.name!r}: "
+                    "federated clients train one shared model; give every node the same "
+                    "model and warm_start sections"
+                )
+        if run.testing.adversary:
+            raise ValueError(
+                "testing.adversary corrupts rollouts, which fgrpo clients never send; remove it "
+                "(tests inject faulty clients through ftis.algos.fgrpo.faults)"
+            )
+        for name in names:
+            try:
+                TypeAdapter(TaskConfig).validate_python(self.client_task(run, name))
+            except ValidationError as e:
+                first_err = e.errors()[0]
+                where = ".".join(str(p) for p in first_err["loc"])
+                raise ValueError(
+                    f"algorithm.clients.{name}.task: {where}: "
+                    f"{first_err['msg'].removeprefix('Value error, ')}"
+                ) from None
+        cpus_per_client = self.simulation.client_cpus
+        if cpus_per_client > self.simulation.num_cpus:
+            raise ValueError(
+                f"algorithm.simulation.client_cpus={cpus_per_client} exceeds num_cpus="
+                f"{self.simulation.num_cpus}: no client could run; lower client_cpus"
+            )
