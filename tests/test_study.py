@@ -206,6 +206,65 @@ class TestResults:
             assert (tmp_path / "results" / "results" / png).exists()
             assert f"results/results/{png}" in text
 
+    def test_step0_per_split_passk_and_offpolicy_tables(self, tmp_path):
+        study = load_study(_write_study(tmp_path))
+        out = study.out_dir
+        runs = {r.id: r for r in study.runs}
+        for seed in (0, 1):
+            r = runs[f"pair-f-tis-s{seed}"]
+            _fake_metrics(out / r.id, r.config, {"a": 0.5, "b": 0.6})
+            rows = [json.loads(x) for x in (out / r.id / "metrics.jsonl").read_text().splitlines()]
+            last = r.config.train.steps
+            for row in rows:
+                a = row["node"] == "a"
+                if row["step"] == 0:  # a is the adder, b the multiplier
+                    row["eval/add/accuracy"], row["eval/mul/accuracy"] = (
+                        (0.7, 0.2) if a else (0.1, 0.8)
+                    )
+                    row["eval/pass@1"], row["eval/pass@8"] = 0.3, 0.6
+                elif row["step"] == last:
+                    row["eval/add/accuracy"] = 0.75 + 0.1 * seed
+                    row["eval/pass@1"], row["eval/pass@8"] = 0.4, 0.7 + 0.1 * seed
+                    row["eval/test/distinct_answers"] = 2.0 + seed
+                if row["step"] > 0:
+                    row["loss/is_weight_mean"] = 1.0 + 0.1 * row["step"]
+                    row["loss/is_weight_max"] = 3.0 * row["step"]
+                    row["train/completion_tokens"] = 20.0 + row["step"]
+            (out / r.id / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+        write_results(study)
+        text = (tmp_path / "RESULTS.md").read_text()
+        start = text[text.index("## At step 0") : text.index("## Final accuracy")]
+        assert _cells(start, "| a |") == [
+            "a",
+            "10.0 ± 0.0",
+            "0.0 ± 0.0",
+            "70.0 ± 0.0",
+            "20.0 ± 0.0",
+            "30.0 ± 0.0",
+            "60.0 ± 0.0",
+            "21.0",
+        ]
+        assert "add: `a` +60.0; mul: `b` +60.0" in start  # the expertise gap
+        skills = text[text.index("## Accuracy per eval split") : text.index("## pass@k")]
+        assert _cells(skills, "| F-TIS |")[1] == "80.0 ± 7.1"  # a on add: (75, 85)
+        passk = text[text.index("## pass@k") : text.index("## Off-policy")]
+        assert _cells(passk, "| method |")[1:4] == [
+            "a pass@1",
+            "a pass@8",
+            "a test/distinct_answers",
+        ]
+        assert _cells(passk, "| F-TIS |")[1:4] == ["40.0 ± 0.0", "75.0 ± 7.1", "2.50 ± 0.71"]
+        off = text[text.index("## Off-policy") : text.index("## Gain")]
+        steps = study.runs[0].config.train.steps
+        is_mean = statistics.fmean(1.0 + 0.1 * s for s in range(1, steps + 1))
+        tail = statistics.fmean(20.0 + s for s in range(max(1, steps - 4), steps + 1))
+        assert _cells(off, "| F-TIS |")[1:5] == [
+            "25.0 ± 0.0",
+            f"{is_mean:.3f} ± 0.000",
+            f"{3.0 * steps:.1f} ± 0.0",
+            f"{tail:.2f} ± 0.00",
+        ]
+
 
 def test_tiny_sweep_through_the_cli(tmp_path):
     """Two real one-node runs (llama-xs, 2 steps), then --report-only and a resumed no-op."""

@@ -29,13 +29,19 @@ SPLITS = ("test", "ood")
 
 @dataclass
 class NodeCurve:
-    """One node of one run: eval points (step, tokens generated, RL wall seconds, acc per split)."""
+    """One node of one run: eval points (step, tokens generated, RL wall seconds, accuracy per
+    split, other eval metrics such as pass@k) and per-step training statistics."""
 
     steps: list[int] = field(default_factory=list)
     tokens: list[float] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
     acc: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    # other eval/* metrics at the eval points (pass@k, distinct answers, ...), keyed without eval/
+    evals: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     filtered: float | None = None
+    is_mean: float | None = None  # mean over steps of loss/is_weight_mean
+    is_max: float | None = None  # max over steps of loss/is_weight_max
+    lengths: list[float] = field(default_factory=list)  # train/completion_tokens per RL step
 
     def final(self, split: str) -> float | None:
         v = self.acc.get(split)
@@ -45,6 +51,14 @@ class NodeCurve:
         v = self.acc.get(split)
         return v[0] if v else None
 
+    def final_eval(self, key: str) -> float | None:
+        v = self.evals.get(key)
+        return v[-1] if v else None
+
+    def start_eval(self, key: str) -> float | None:
+        v = self.evals.get(key)
+        return v[0] if v else None
+
 
 @dataclass
 class RunResult:
@@ -52,6 +66,11 @@ class RunResult:
     nodes: dict[str, NodeCurve]
     seconds: float | None
     code: str | None = None  # the ftis version (and git commit) that made the run
+
+
+def _mean_of(rows: list[dict], key: str) -> float | None:
+    vals = [float(r[key]) for r in rows if r.get(key) is not None]
+    return sum(vals) / len(vals) if vals else None
 
 
 def node_curves(rows: list[dict[str, Any]]) -> dict[str, NodeCurve]:
@@ -66,10 +85,15 @@ def node_curves(rows: list[dict[str, Any]]) -> dict[str, NodeCurve]:
         mine.sort(key=lambda r: r["step"])
         c = NodeCurve()
         setup = next((float(r.get("time/setup") or 0.0) for r in mine if r["step"] == 0), 0.0)
-        filt = [
-            float(r["loss/filtered_frac"]) for r in mine if r.get("loss/filtered_frac") is not None
+        c.filtered = _mean_of(mine, "loss/filtered_frac")
+        c.is_mean = _mean_of(mine, "loss/is_weight_mean")
+        maxes = [float(r["loss/is_weight_max"]) for r in mine if r.get("loss/is_weight_max")]
+        c.is_max = max(maxes) if maxes else None
+        c.lengths = [
+            float(r["train/completion_tokens"])
+            for r in mine
+            if r.get("train/completion_tokens") is not None and r["step"] > 0
         ]
-        c.filtered = sum(filt) / len(filt) if filt else None
         for r in mine:
             if r.get("eval/accuracy") is None:
                 continue
@@ -77,10 +101,14 @@ def node_curves(rows: list[dict[str, Any]]) -> dict[str, NodeCurve]:
             c.tokens.append(float(r.get("train/generated_tokens_total") or 0.0))
             el = r.get("train/elapsed_seconds")
             c.seconds.append(max(0.0, float(el) - setup) if el is not None else 0.0)
-            for split in SPLITS:
-                v = r.get(f"eval/{split}/accuracy")
-                if v is not None:
-                    c.acc[split].append(float(v))
+            for key, v in r.items():
+                if not key.startswith("eval/") or not isinstance(v, int | float):
+                    continue
+                name = key[len("eval/") :]
+                if name.endswith("/accuracy"):
+                    c.acc[name[: -len("/accuracy")]].append(float(v))
+                elif name not in ("accuracy", "size"):
+                    c.evals[name].append(float(v))
         out[node] = c
     return out
 
@@ -162,6 +190,52 @@ def starts(results: list[RunResult], pairing: str, node: str, split: str) -> lis
         if res.run.pairing == pairing and c is not None and c.start(split) is not None:
             by_seed.setdefault(res.run.seed, c.start(split))
     return list(by_seed.values())
+
+
+def node_values(results: list[RunResult], pairing: str, variant: str, node: str, fn) -> list[float]:
+    """`fn(curve)` of `node` over the seeds of one pairing and variant (None results dropped)."""
+    out = []
+    for res in results:
+        r = res.run
+        if r.pairing != pairing or r.variant != variant or (r.node not in (None, node)):
+            continue
+        c = res.nodes.get(node)
+        v = fn(c) if c is not None else None
+        if v is not None:
+            out.append(float(v))
+    return out
+
+
+def splits_of(results: list[RunResult], pairing: str) -> list[str]:
+    """The eval splits logged in a pairing's runs: `test` and `ood` first, then the others."""
+    seen: dict[str, None] = {}
+    for res in results:
+        if res.run.pairing == pairing:
+            for c in res.nodes.values():
+                seen.update(dict.fromkeys(c.acc))
+    return [s for s in SPLITS if s in seen] + [s for s in seen if s not in SPLITS]
+
+
+def eval_keys_of(results: list[RunResult], pairing: str, match) -> list[str]:
+    """Other eval metrics (pass@k, distinct answers) logged in a pairing's runs, pass@k by k."""
+    seen: dict[str, None] = {}
+    for res in results:
+        if res.run.pairing == pairing:
+            for c in res.nodes.values():
+                seen.update(dict.fromkeys(k for k in c.evals if match(k)))
+
+    def order(key: str):
+        tail = key.rsplit("@", 1)[-1]
+        return (key.split("@")[0], int(tail) if tail.isdigit() else 0, key)
+
+    return sorted(seen, key=order)
+
+
+def fmt_num(values: list[float], digits: int = 2) -> str:
+    if not values:
+        return "-"
+    m, s = mean_std(values)
+    return f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
 # ---------------------------------------------------------------------------------------- plots
@@ -270,19 +344,36 @@ def _setup_lines(study: Study) -> list[str]:
             if n.warm_start and n.warm_start.mix:
                 ws += f" on mix {json.dumps(n.warm_start.mix)}"
             nodes.append(f"`{n.name}`: {m}{ws}, lr {n.optim.lr:g}")
-        task = c.task
-        tdesc = getattr(task, "ops", None)
         rows.append(
             [
                 ps.label or p,
                 "; ".join(nodes),
-                f"ops {json.dumps(tdesc)}" if tdesc is not None else task.kind,
+                _task_line(c.task),
                 f"{c.train.steps} x {c.train.prompts_per_step} prompts x G={c.train.group_size}",
-                f"{c.eval.size} test + {c.eval.size} ood, every {c.eval.every}",
+                _eval_line(c),
             ]
         )
     lines += _table(["pairing", "nodes", "task", "RL steps", "greedy eval"], rows)
     return lines
+
+
+def _task_line(task: Any) -> str:
+    """The task's kind and the fields a reader needs to know what it asks (no seeds, no sizes)."""
+    data = task.model_dump(mode="json", exclude_none=True)
+    for key in ("kind", "seed", "ood", "test_size", "size", "data_files"):
+        data.pop(key, None)
+    return f"`{task.kind}`: " + ", ".join(f"{k} {json.dumps(v)}" for k, v in data.items())
+
+
+def _eval_line(c: Any) -> str:
+    """Greedy eval splits and pass@k settings of a run config."""
+    ood = getattr(c.task, "ood", None)
+    names = ["test", *(ood.keys() if isinstance(ood, dict) else ["ood"])]
+    line = f"{', '.join(names)} (at most {c.eval.size} each), every {c.eval.every} steps"
+    if c.eval.pass_samples:
+        ks = ", ".join(map(str, c.eval.pass_k))
+        line += f"; pass@{{{ks}}} from {c.eval.pass_samples} samples of {c.eval.pass_problems}"
+    return line
 
 
 def render(
@@ -340,13 +431,23 @@ def render(
         _code_line(results),
         "",
         "Accuracy is greedy accuracy on the task's held-out `test` split (in distribution) and "
-        "its `ood` split (3-term problems, never trained on), at the last step, as "
+        "its `ood` split (out of distribution: harder than the problems RL trains on, see the "
+        "pairing configs), at the last step, as "
         "**mean ± sample std over seeds** in percent. `Alone` trains each node by itself with "
         "the plain clipped GRPO loss (`vis`) on its own samples, generating every group of a "
         "step; in a two-node run each node generates half of the step's groups and trains on "
         "all of them.",
         "",
     ]
+    L += [
+        "## At step 0: the warm-started models",
+        "",
+        "Greedy accuracy per eval split and pass@k before any RL step (the same warm start for "
+        "every method and seed; mean ± std over the seeds' step-0 evaluations), and the mean "
+        "completion length at the first RL step.",
+        "",
+    ]
+    L += _start_section(study, results)
     L += ["## Final accuracy per pairing, method and node", ""]
     for p, ps in study.spec.pairings.items():
         if not any(r.run.pairing == p for r in results):
@@ -388,6 +489,39 @@ def render(
         "'filtered' is the mean fraction of training sequences the F- filter zeroed per step "
         "(own and peers' samples together).",
         "",
+        *(
+            [
+                "## Accuracy per eval split",
+                "",
+                "Final greedy accuracy on the pairings' other eval splits (e.g. one skill each).",
+                "",
+                *_skill_section(study, results),
+            ]
+            if _skill_section(study, results)
+            else []
+        ),
+        *(
+            [
+                "## pass@k",
+                "",
+                "Unbiased pass@k on the first eval split at the last step, from "
+                "`eval.pass_samples` samples per problem at the sampling temperature "
+                "(distinct answers: distinct final answers among a problem's samples, when "
+                "logged).",
+                "",
+                *_passk_section(study, results),
+            ]
+            if _passk_section(study, results)
+            else []
+        ),
+        "## Off-policy statistics and completion lengths",
+        "",
+        "Per node, over its RL steps: the fraction of training sequences the F- filter zeroed "
+        "(own and peers' samples), the mean and the largest token importance weight "
+        "exp(logp_train - logp_gen) seen (1 for own on-policy samples), and the mean completion "
+        "length in tokens over the last 5 steps.",
+        "",
+        *_offpolicy_section(study, results),
         "## Gain over training alone",
         "",
         "Final test accuracy minus the same node's `Alone` accuracy, in percentage points "
@@ -435,6 +569,127 @@ def render(
             L += [title, "", f"![{name}]({rel_assets}/{name})", ""]
     L += ["## Reading", "", READING_BEGIN, reading.strip() or "_Not written yet._", READING_END, ""]
     return "\n".join(L)
+
+
+def _pairings_with_results(study: Study, results: list[RunResult]):
+    for p, ps in study.spec.pairings.items():
+        if any(r.run.pairing == p for r in results):
+            yield p, ps
+
+
+def _start_section(study: Study, results: list[RunResult]) -> list[str]:
+    """Per pairing: each node's step-0 accuracy on every split and pass@k, and the gap between
+    the nodes on each split (the expertise gap when the splits are per-skill)."""
+    L: list[str] = []
+    for p, ps in _pairings_with_results(study, results):
+        nodes = _node_order(study, p)
+        splits = splits_of(results, p)
+        passk = eval_keys_of(results, p, lambda k: k.startswith("pass@"))
+        rows = []
+        means: dict[tuple[str, str], float] = {}
+        for n in nodes:
+            cells = []
+            for sp in splits:
+                vals = starts(results, p, n, sp)
+                if vals:
+                    means[(n, sp)] = statistics.fmean(vals)
+                cells.append(fmt_pct(vals))
+            for k in passk:
+                vals = _starts_eval(results, p, n, k)
+                cells.append(fmt_pct(vals))
+            first = [
+                c.lengths[0]
+                for res in results
+                if res.run.pairing == p
+                for name, c in res.nodes.items()
+                if name == n and c.lengths
+            ]
+            cells.append(f"{statistics.fmean(first):.1f}" if first else "-")
+            rows.append([n, *cells])
+        header = ["node", *splits, *passk, "completion tokens (step 1)"]
+        L += [f"### {ps.label or p}", "", *_table(header, rows), ""]
+        if len(nodes) >= 2:
+            gaps = []
+            for sp in splits:
+                have = [(means[(n, sp)], n) for n in nodes if (n, sp) in means]
+                if len(have) >= 2:
+                    (hi, top), (lo, _) = max(have), min(have)
+                    gaps.append(f"{sp}: `{top}` +{100 * (hi - lo):.1f}")
+            if gaps:
+                L += ["Gap between the nodes at step 0 (points): " + "; ".join(gaps) + ".", ""]
+    return L
+
+
+def _starts_eval(results: list[RunResult], pairing: str, node: str, key: str) -> list[float]:
+    """Step-0 value of an eval metric (pass@k, ...) of a node, one value per distinct seed."""
+    by_seed = {}
+    for res in results:
+        c = res.nodes.get(node)
+        if res.run.pairing == pairing and c is not None and c.start_eval(key) is not None:
+            by_seed.setdefault(res.run.seed, c.start_eval(key))
+    return list(by_seed.values())
+
+
+def _method_table(
+    study: Study, results: list[RunResult], p: str, columns: list[tuple[str, Any]]
+) -> list[str]:
+    """Rows = the pairing's variants; one column per (node, label, fn(curve) -> cell values)."""
+    nodes = _node_order(study, p)
+    header = ["method"] + [f"{n} {label}" for n in nodes for label, _ in columns]
+    rows = []
+    for v in _variant_order(study, p):
+        cells = [fmt(node_values(results, p, v, n, fn)) for n in nodes for _, (fn, fmt) in columns]
+        if any(c != "-" for c in cells):
+            rows.append([_label(study, v), *cells])
+    return _table(header, rows) if rows else []
+
+
+def _skill_section(study: Study, results: list[RunResult]) -> list[str]:
+    L: list[str] = []
+    for p, ps in _pairings_with_results(study, results):
+        extra = [sp for sp in splits_of(results, p) if sp not in SPLITS]
+        if not extra:
+            continue
+        cols = [(sp, ((lambda c, sp=sp: c.final(sp)), fmt_pct)) for sp in extra]
+        L += [f"### {ps.label or p}", "", *_method_table(study, results, p, cols), ""]
+    return L
+
+
+def _passk_section(study: Study, results: list[RunResult]) -> list[str]:
+    L: list[str] = []
+    for p, ps in _pairings_with_results(study, results):
+        keys = eval_keys_of(results, p, lambda k: k.startswith("pass@"))
+        keys += eval_keys_of(results, p, lambda k: "distinct_answers" in k)
+        if not keys:
+            continue
+        cols = [
+            (
+                k,
+                (
+                    (lambda c, k=k: c.final_eval(k)),
+                    fmt_pct if k.startswith("pass@") else fmt_num,
+                ),
+            )
+            for k in keys
+        ]
+        L += [f"### {ps.label or p}", "", *_method_table(study, results, p, cols), ""]
+    return L
+
+
+def _offpolicy_section(study: Study, results: list[RunResult]) -> list[str]:
+    L: list[str] = []
+    for p, ps in _pairings_with_results(study, results):
+        cols = [
+            ("filtered", ((lambda c: c.filtered), fmt_pct)),
+            ("IS mean", ((lambda c: c.is_mean), lambda v: fmt_num(v, 3))),
+            ("IS max", ((lambda c: c.is_max), lambda v: fmt_num(v, 1))),
+            (
+                "tokens (last 5 steps)",
+                ((lambda c: statistics.fmean(c.lengths[-5:]) if c.lengths else None), fmt_num),
+            ),
+        ]
+        L += [f"### {ps.label or p}", "", *_method_table(study, results, p, cols), ""]
+    return L
 
 
 def _code_line(results: list[RunResult]) -> str:
