@@ -17,7 +17,8 @@ class WarmStartConfig(BaseModel):
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
     mix: dict[str, float] | None = Field(
         None,
-        description="Arithmetic only: operation weights for the warm-start data, e.g. "
-        "{'+': 1.0, '-': 0.1}; None = the task's own mix.",
+        description="Weights for the warm-start data: operations of the arithmetic task, e.g. "
+        "{'+': 1.0, '-': 0.1}, or skills of the reasoning task, e.g. {'add': 0.8, 'mul': 0.2}; "
+        "None = the task's own mix.",
     )
     seed: int = Field(0, description="Seed of data order and dropout.")
