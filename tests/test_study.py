@@ -4,6 +4,7 @@ tiny real sweep through the CLI."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -78,6 +79,74 @@ class TestGrid:
     def test_only_selects_by_glob(self, tmp_path):
         study = load_study(_write_study(tmp_path))
         assert [r.id for r in study.select("*-g*")] == ["pair-f-tis-g5-s0", "pair-f-tis-g0p5-s0"]
+
+    def test_method_set_reaches_every_node(self, tmp_path):
+        methods = {
+            "alone-w": {"loss": "reco", "alone": True, "set": ["loss.reco_token_ratio=false"]},
+            "f-reco": {
+                "loss": "f-reco",
+                "set": ["loss.reco_tis=true", "optim.lr=0.003", "loss.filter_threshold=7"],
+            },
+            "f-tis": {"loss": "f-tis"},
+        }
+        grid = [
+            {"pairings": ["pair"], "methods": ["alone-w", "f-reco", "f-tis"], "seeds": [0]},
+            {"pairings": ["pair"], "methods": ["f-reco"], "thresholds": [5], "seeds": [0]},
+        ]
+        path = _write_study(tmp_path, methods=methods, grid=grid)
+        runs = {r.id: r for r in load_study(path).runs}
+        # ids are those of any method: `set` never enters them
+        assert list(runs) == [
+            "pair-alone-w-a-s0",
+            "pair-alone-w-b-s0",
+            "pair-f-reco-s0",
+            "pair-f-tis-s0",
+            "pair-f-reco-g5-s0",
+        ]
+        for node in ("a", "b"):
+            (n,) = runs[f"pair-alone-w-{node}-s0"].config.nodes
+            assert n.name == node and n.loss.method == "reco"
+            assert not n.loss.reco_token_ratio and n.loss.reco_response_weights
+        f = runs["pair-f-reco-s0"].config.nodes
+        assert [(n.loss.method, n.loss.reco_tis, n.optim.lr) for n in f] == [
+            ("f-reco", True, 0.003)
+        ] * 2
+        assert [n.loss.filter_threshold for n in f] == [7.0, 7.0]
+        # the grid's threshold comes after the method's set
+        g = runs["pair-f-reco-g5-s0"].config.nodes
+        assert [n.loss.filter_threshold for n in g] == [5.0, 5.0]
+        # other methods are untouched
+        t = runs["pair-f-tis-s0"].config.nodes
+        assert [(n.loss.reco_tis, n.optim.lr) for n in t] == [(False, 1e-4)] * 2
+
+    @pytest.mark.parametrize(
+        ("item", "message"),
+        [
+            ("train.steps=3", "'train' is not a node field"),
+            ("nodes.0.loss.reco_tis=true", "'nodes' is not a node field"),
+            ("name=x", "'name' is not a node field"),
+            ("loss.method=vis", "as the method's `loss`"),
+            ("loss.reco_tis", "is not KEY=VALUE"),
+            ("loss..x=1", "is not KEY=VALUE"),
+        ],
+    )
+    def test_method_set_is_validated(self, tmp_path, item, message):
+        methods = {"m": {"loss": "reco", "set": [item]}}
+        path = _write_study(
+            tmp_path, methods=methods, grid=[{"pairings": ["pair"], "methods": ["m"]}]
+        )
+        with pytest.raises(StudyError, match=re.escape(message)):
+            load_study(path)
+
+    def test_method_set_values_are_checked_per_run(self, tmp_path):
+        methods = {"m": {"loss": "reco", "set": ["loss.reco_w_max=-1"]}}
+        path = _write_study(
+            tmp_path, methods=methods, grid=[{"pairings": ["pair"], "methods": ["m"]}]
+        )
+        with pytest.raises(
+            StudyError, match=r"run pair-m-s0: invalid config:\n  nodes.0.loss.reco_w_max"
+        ):
+            load_study(path)
 
     def test_errors_name_the_problem(self, tmp_path):
         path = _write_study(tmp_path)

@@ -8,6 +8,7 @@
     methods:
       alone: {loss: vis, alone: true}       # one one-node run per node of the pairing
       f-tis: {loss: f-tis}
+      reco-w: {loss: reco, set: [loss.reco_token_ratio=false]}  # node fields, every node
     grid:                                   # blocks; each is a cartesian product
       - {pairings: [size], methods: [alone, f-tis]}
       - {pairings: [size], methods: [f-tis], schemes: [horizontal]}
@@ -23,6 +24,7 @@ from __future__ import annotations
 import fnmatch
 import itertools
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -32,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ftis.config import (
     ConfigError,
+    NodeConfig,
     RunConfig,
     check_loss_method,
     format_validation_error,
@@ -39,6 +42,7 @@ from ftis.config import (
 )
 
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_KEY = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 
 
 class StudyError(ValueError):
@@ -62,11 +66,39 @@ class MethodSpec(_Strict):
     alone: bool = Field(
         False, description="Train each node of the pairing alone: one one-node run per node."
     )
+    set: list[str] = Field(
+        default_factory=list,
+        description="Overrides of node fields, KEY=VALUE with KEY relative to a node (e.g. "
+        "loss.reco_token_ratio=false, optim.lr=3e-4), applied to every node of the run like "
+        "`loss`: after the study's and the pairing's `set`, before the grid's threshold. The run "
+        "id does not change: give such variants their own method key.",
+    )
 
     @field_validator("loss")
     @classmethod
     def _known(cls, v: str) -> str:
         return check_loss_method(v)
+
+    @field_validator("set")
+    @classmethod
+    def _node_keys(cls, v: list[str]) -> list[str]:
+        fields = sorted(f for f in NodeConfig.model_fields if f != "name")
+        for item in v:
+            key = item.split("=", 1)[0].strip()
+            if "=" not in item or not _KEY.fullmatch(key):
+                raise ValueError(
+                    f"set: {item!r} is not KEY=VALUE with a dotted node key, e.g. "
+                    "loss.reco_token_ratio=false"
+                )
+            head = key.split(".", 1)[0]
+            if head not in fields:
+                raise ValueError(
+                    f"set: {item!r}: {head!r} is not a node field; keys are relative to a node "
+                    f"({', '.join(fields)}); study-wide settings go in the study's `set`"
+                )
+            if key == "loss.method":
+                raise ValueError(f"set: {item!r}: give the loss method as the method's `loss`")
+        return v
 
 
 class GridBlock(_Strict):
@@ -203,10 +235,13 @@ def run_id(
     return "-".join(parts)
 
 
-def _node_overrides(n_nodes: int, loss: str, threshold: float | None) -> list[str]:
+def _node_overrides(
+    n_nodes: int, loss: str, threshold: float | None, node_set: Sequence[str] = ()
+) -> list[str]:
     out = []
     for i in range(n_nodes):
         out.append(f"nodes.{i}.loss.method={loss}")
+        out += [f"nodes.{i}.{item.lstrip()}" for item in node_set]
         if threshold is not None:
             out.append(f"nodes.{i}.loss.filter_threshold={threshold}")
     return out
@@ -244,7 +279,7 @@ def expand(spec: StudySpec, study_path: Path) -> list[RunSpec]:
             overrides = [
                 *spec.set,
                 *p.set,
-                *_node_overrides(len(head.nodes), m.loss, g),
+                *_node_overrides(len(head.nodes), m.loss, g, m.set),
                 f"sharing.scheme={scheme}",
                 f"train.seed={seed}",
             ]

@@ -409,6 +409,12 @@ class ArithmeticTask:
         return 1.0 if completion.strip() == problem.answer else 0.0
 
     @staticmethod
+    def extract_answer(completion: str) -> str | None:
+        """The answer the reward compares: the completion stripped of whitespace (None when
+        empty); eval counts distinct answers with it."""
+        return completion.strip() or None
+
+    @staticmethod
     def warmstart_example(problem: Problem) -> str:
         """Supervised warm-start text: question and answer, e.g. "23+45=68" (caller adds EOS)."""
         return problem.question + problem.answer

@@ -25,6 +25,11 @@ class Task(Protocol):
 
     ``split(name)`` returns a sequence of problems (``__len__`` and ``__getitem__``) for "train",
     "test" (held-out, in distribution) and any out-of-distribution splits in ``eval_splits``.
+
+    Optional (not part of the protocol, looked up with ``getattr``):
+    ``extract_answer(completion) -> str | None``, the final answer of a decoded completion in a
+    canonical form (None when it has none); evaluation then logs the number of distinct answers
+    among each problem's pass@k samples (``eval/<split>/distinct_answers``).
     """
 
     name: str

@@ -397,6 +397,12 @@ class GSM8KTask:
         answer = extract_answer(completion)
         return 1.0 if answer is not None and answer_matches(answer, problem.answer) else 0.0
 
+    def extract_answer(self, completion: str) -> str | None:
+        """The answer block of a well-formed completion in a cheap canonical form (no '$',
+        thousands commas or final '.'), else None; eval counts distinct answers with it."""
+        answer = extract_answer(completion)
+        return None if answer is None else _normalise(answer)
+
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, system: str, question: str) -> list[int]:
     """Token ids of [system, user] through the chat template, ending in the assistant turn.

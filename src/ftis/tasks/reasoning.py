@@ -559,6 +559,11 @@ class ReasoningTask:
         """1.0 when the completion is well formed and its answer is exact, else 0.0."""
         return 1.0 if extract_answer(completion) == problem.answer else 0.0
 
+    def extract_answer(self, completion: str) -> str | None:
+        """The final answer (after '#') of a well-formed completion, else None (the module's
+        ``extract_answer``); eval counts distinct answers with it."""
+        return extract_answer(completion)
+
     def warmstart_split(self) -> Sequence[Problem]:
         """The warm start's ("pre-training") examples: the train space, plus a
         ``pretrain_fraction`` share of longer problems (never held-out questions)."""

@@ -1,6 +1,8 @@
-"""Evaluation: greedy accuracy on each eval split, and pass@k from samples."""
+"""Evaluation: greedy accuracy on each eval split, pass@k and distinct answers from samples."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -11,7 +13,25 @@ from ftis.tasks.base import Task
 from ftis.train.node import Node
 
 
-def _rewards(
+def answer_extractor(task: Task) -> Callable[[str], str | None] | None:
+    """The task's optional `extract_answer(completion) -> str | None` (the final answer of a
+    decoded completion in a canonical form, None when it has none), or None if it has none."""
+    fn = getattr(task, "extract_answer", None)
+    return fn if callable(fn) else None
+
+
+def distinct_answers(answers: Sequence[Sequence[str | None]]) -> float:
+    """Mean over problems of the number of distinct final answers among a problem's samples.
+
+    `answers[i]` are the extracted answers of problem i's samples; None (a completion without an
+    answer, e.g. malformed) is not an answer and is not counted, so a problem whose samples are
+    all malformed counts 0. A model that always says the same thing scores 1."""
+    if not answers:
+        return 0.0
+    return sum(len({a for a in row if a is not None}) for row in answers) / len(answers)
+
+
+def _samples(
     node: Node,
     task: Task,
     problems,
@@ -21,11 +41,13 @@ def _rewards(
     max_new_tokens: int,
     batch_size: int,
     generator: torch.Generator,
-) -> torch.Tensor:
-    """(len(problems), num_samples) rewards."""
+    extract: Callable[[str], str | None] | None = None,
+) -> tuple[torch.Tensor, list[list[str | None]] | None]:
+    """(len(problems), num_samples) rewards, and with `extract` each sample's answer."""
     tok = node.tokenizer
     per_batch = max(1, batch_size // num_samples)
     out = []
+    answers: list[str | None] = []
     for start in range(0, len(problems), per_batch):
         chunk = problems[start : start + per_batch]
         s = sample(
@@ -40,20 +62,28 @@ def _rewards(
         )
         texts = decode_completions(tok, s.completion_ids, s.lengths)
         out += [task.reward(chunk[j // num_samples], t) for j, t in enumerate(texts)]
-    return torch.tensor(out, dtype=torch.float32).view(len(problems), num_samples)
+        if extract is not None:
+            answers += [extract(t) for t in texts]
+    rewards = torch.tensor(out, dtype=torch.float32).view(len(problems), num_samples)
+    if extract is None:
+        return rewards, None
+    rows = [answers[i * num_samples : (i + 1) * num_samples] for i in range(len(problems))]
+    return rewards, rows
 
 
 def evaluate(
     node: Node, task: Task, cfg: EvalConfig, train: TrainConfig, *, seed: int
 ) -> dict[str, float]:
     """`eval/accuracy` is greedy accuracy on the first (in-distribution) eval split; every split
-    also gets `eval/<split>/accuracy`; pass@k on the in-distribution split as `eval/pass@k`."""
+    also gets `eval/<split>/accuracy`; pass@k on the in-distribution split as `eval/pass@k`, and
+    from the same samples `eval/<split>/distinct_answers` (the mean number of distinct final
+    answers per problem) when the task has an `extract_answer`."""
     g = torch.Generator().manual_seed(seed)
     metrics: dict[str, float] = {}
     for i, split in enumerate(task.eval_splits):
         ds = task.split(split)
         problems = [ds[j] for j in range(min(cfg.size, len(ds)))]
-        r = _rewards(
+        r, _ = _samples(
             node,
             task,
             problems,
@@ -68,9 +98,10 @@ def evaluate(
         if i == 0:
             metrics["eval/accuracy"] = acc
     if cfg.pass_samples > 0:
-        ds = task.split(task.eval_splits[0])
+        split = task.eval_splits[0]
+        ds = task.split(split)
         problems = [ds[j] for j in range(min(cfg.pass_problems, len(ds)))]
-        r = _rewards(
+        r, answers = _samples(
             node,
             task,
             problems,
@@ -79,8 +110,11 @@ def evaluate(
             max_new_tokens=train.max_new_tokens,
             batch_size=cfg.batch_size,
             generator=g,
+            extract=answer_extractor(task),
         )
         correct = r.sum(dim=1)
         for k in cfg.pass_k:
             metrics[f"eval/pass@{k}"] = float(pass_at_k(cfg.pass_samples, correct, k).mean())
+        if answers is not None:
+            metrics[f"eval/{split}/distinct_answers"] = distinct_answers(answers)
     return metrics
