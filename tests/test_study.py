@@ -311,6 +311,7 @@ class TestResults:
             "20.0 ± 0.0",
             "30.0 ± 0.0",
             "60.0 ± 0.0",
+            "-",  # distinct answers: logged at the last eval only in this fake run
             "21.0",
         ]
         assert "add: `a` +60.0; mul: `b` +60.0" in start  # the expertise gap
@@ -323,6 +324,7 @@ class TestResults:
             "a test/distinct_answers",
         ]
         assert _cells(passk, "| F-TIS |")[1:4] == ["40.0 ± 0.0", "75.0 ± 7.1", "2.50 ± 0.71"]
+        assert (tmp_path / "results" / "results" / "passk.png").exists()
         off = text[text.index("## Off-policy") : text.index("## Gain")]
         steps = study.runs[0].config.train.steps
         is_mean = statistics.fmean(1.0 + 0.1 * s for s in range(1, steps + 1))
@@ -333,6 +335,22 @@ class TestResults:
             f"{3.0 * steps:.1f} ± 0.0",
             f"{tail:.2f} ± 0.00",
         ]
+
+
+def test_a_study_without_alone_has_no_alone_sections(tmp_path):
+    path = _write_study(tmp_path)
+    spec = yaml.safe_load(path.read_text())
+    del spec["methods"]["alone"]
+    spec["grid"][0]["methods"] = ["nois", "f-tis"]
+    path.write_text(yaml.safe_dump(spec))
+    study = load_study(path)
+    r = next(r for r in study.runs if r.variant == "f-tis")
+    _fake_metrics(study.out_dir / r.id, r.config, {"a": 0.5, "b": 0.6})
+    write_results(study)
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "## Final accuracy" in text and "| F-TIS |" in text
+    assert "Alone" not in text and "## Equal budget" not in text
+    assert not (tmp_path / "results" / "results" / "budget-tokens.png").exists()
 
 
 def test_tiny_sweep_through_the_cli(tmp_path):

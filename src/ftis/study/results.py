@@ -42,6 +42,9 @@ class NodeCurve:
     is_mean: float | None = None  # mean over steps of loss/is_weight_mean
     is_max: float | None = None  # max over steps of loss/is_weight_max
     lengths: list[float] = field(default_factory=list)  # train/completion_tokens per RL step
+    # every numeric loss/* metric over the RL steps: its mean and its largest value
+    loss_mean: dict[str, float] = field(default_factory=dict)
+    loss_max: dict[str, float] = field(default_factory=dict)
 
     def final(self, split: str) -> float | None:
         v = self.acc.get(split)
@@ -89,6 +92,13 @@ def node_curves(rows: list[dict[str, Any]]) -> dict[str, NodeCurve]:
         c.is_mean = _mean_of(mine, "loss/is_weight_mean")
         maxes = [float(r["loss/is_weight_max"]) for r in mine if r.get("loss/is_weight_max")]
         c.is_max = max(maxes) if maxes else None
+        per_key: dict[str, list[float]] = defaultdict(list)
+        for r in mine:
+            for key, v in r.items():
+                if key.startswith("loss/") and isinstance(v, int | float):
+                    per_key[key[len("loss/") :]].append(float(v))
+        c.loss_mean = {k: sum(v) / len(v) for k, v in per_key.items()}
+        c.loss_max = {k: max(v) for k, v in per_key.items()}
         c.lengths = [
             float(r["train/completion_tokens"])
             for r in mine
@@ -311,6 +321,63 @@ def plot_grid(study: Study, results: list[RunResult], path: Path, *, x: str, var
     return True
 
 
+def plot_passk(study: Study, results: list[RunResult], path: Path) -> bool:
+    """Rows = pairings, columns = nodes; pass@k against k (log scale) per variant at the last
+    eval, and the step-0 curve of the warm start. False (nothing drawn) without pass@k."""
+    pairings = [
+        p
+        for p, _ in _pairings_with_results(study, results)
+        if eval_keys_of(results, p, lambda k: k.startswith("pass@"))
+    ]
+    if not pairings:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ncols = max(len(_node_order(study, p)) for p in pairings)
+    fig, axes = plt.subplots(
+        len(pairings), ncols, figsize=(5.2 * ncols, 3.4 * len(pairings)), squeeze=False
+    )
+    for i, p in enumerate(pairings):
+        keys = eval_keys_of(results, p, lambda k: k.startswith("pass@"))
+        ks = [int(k.split("@")[1]) for k in keys]
+        nodes = _node_order(study, p)
+        for j in range(ncols):
+            ax = axes[i][j]
+            if j >= len(nodes):
+                ax.axis("off")
+                continue
+            ax.set_prop_cycle(color=[*plt.cm.tab10.colors, "black", "gold"])
+            start = [_starts_eval(results, p, nodes[j], k) for k in keys]
+            if all(start):
+                ys = [100 * statistics.fmean(v) for v in start]
+                ax.plot(ks, ys, "--", color="grey", marker="o", ms=2.5, label="step 0")
+            for v in _variant_order(study, p):
+                vals = [
+                    node_values(results, p, v, nodes[j], lambda c, k=k: c.final_eval(k))
+                    for k in keys
+                ]
+                if not all(vals):
+                    continue
+                ys = [100 * statistics.fmean(x) for x in vals]
+                ax.plot(
+                    ks, ys, "-", marker="o", ms=2.5, label=f"{_label(study, v)} (n={len(vals[0])})"
+                )
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{study.spec.pairings[p].label or p}: {nodes[j]}", fontsize=10)
+            ax.set_xlabel("k", fontsize=8)
+            ax.set_ylabel("pass@k (%)", fontsize=8)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6.5)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 # ------------------------------------------------------------------------------------- document
 
 
@@ -385,6 +452,7 @@ def render(
     reading: str,
 ) -> str:
     total = len(study.runs)
+    has_alone = any(m.alone for m in study.spec.methods.values())
     seconds = [r.seconds for r in results if r.seconds is not None]
     seeds = sorted({r.run.seed for r in results})
     rel = _rel(study.path)
@@ -433,10 +501,15 @@ def render(
         "Accuracy is greedy accuracy on the task's held-out `test` split (in distribution) and "
         "its `ood` split (out of distribution: harder than the problems RL trains on, see the "
         "pairing configs), at the last step, as "
-        "**mean ± sample std over seeds** in percent. `Alone` trains each node by itself with "
-        "the plain clipped GRPO loss (`vis`) on its own samples, generating every group of a "
-        "step; in a two-node run each node generates half of the step's groups and trains on "
-        "all of them.",
+        "**mean ± sample std over seeds** in percent."
+        + (
+            " `Alone` trains each node by itself with "
+            "the plain clipped GRPO loss (`vis`) on its own samples, generating every group of a "
+            "step; in a two-node run each node generates half of the step's groups and trains on "
+            "all of them."
+            if has_alone
+            else ""
+        ),
         "",
     ]
     L += [
@@ -522,25 +595,27 @@ def render(
         "length in tokens over the last 5 steps.",
         "",
         *_offpolicy_section(study, results),
-        "## Gain over training alone",
-        "",
-        "Final test accuracy minus the same node's `Alone` accuracy, in percentage points "
-        "(difference of the seed means; ± the std of the per-seed differences, seeds paired).",
-        "",
     ]
-    L += _gain_table(study, results)
-    L += [
-        "",
-        "## Equal budget: accuracy per generated token",
-        "",
-        "With vertical sharing a node in a pair generates half of the groups it trains on. Here "
-        "each two-node run's final test accuracy is set against its node's `Alone` run at the "
-        "evaluation where Alone had generated about as many completion tokens itself (the "
-        "nearest evaluation point; mean ± std over seeds; tokens are means over seeds).",
-        "",
-    ]
-    L += _budget_table(study, results)
-    L += ["", "## Curves", ""]
+    if has_alone:
+        L += [
+            "## Gain over training alone",
+            "",
+            "Final test accuracy minus the same node's `Alone` accuracy, in percentage points "
+            "(difference of the seed means; ± the std of the per-seed differences, seeds paired).",
+            "",
+            *_gain_table(study, results),
+            "",
+            "## Equal budget: accuracy per generated token",
+            "",
+            "With vertical sharing a node in a pair generates half of the groups it trains on. "
+            "Here each two-node run's final test accuracy is set against its node's `Alone` run "
+            "at the evaluation where Alone had generated about as many completion tokens itself "
+            "(the nearest evaluation point; mean ± std over seeds; tokens are means over seeds).",
+            "",
+            *_budget_table(study, results),
+            "",
+        ]
+    L += ["## Curves", ""]
     # one folder per document (docs/RESULTS.md -> docs/results/results/), so two studies'
     # reports in the same folder never overwrite each other's plots
     assets = report_path.parent / "results" / report_path.stem.lower()
@@ -564,9 +639,19 @@ def render(
             "wall time would be about that of one node.",
         ),
     ]:
+        if x != "steps" and not has_alone:
+            continue
         variants = None if x == "steps" else _budget_variants(study)
         if plot_grid(study, results, assets / name, x=x, variants=variants):
             L += [title, "", f"![{name}]({rel_assets}/{name})", ""]
+    if plot_passk(study, results, assets / "passk.png"):
+        L += [
+            "pass@k against k at the last step (solid) and at step 0 (dashed, the warm start), "
+            "mean over seeds.",
+            "",
+            f"![passk.png]({rel_assets}/passk.png)",
+            "",
+        ]
     L += ["## Reading", "", READING_BEGIN, reading.strip() or "_Not written yet._", READING_END, ""]
     return "\n".join(L)
 
@@ -585,6 +670,7 @@ def _start_section(study: Study, results: list[RunResult]) -> list[str]:
         nodes = _node_order(study, p)
         splits = splits_of(results, p)
         passk = eval_keys_of(results, p, lambda k: k.startswith("pass@"))
+        distinct = eval_keys_of(results, p, lambda k: "distinct_answers" in k)
         rows = []
         means: dict[tuple[str, str], float] = {}
         for n in nodes:
@@ -595,8 +681,9 @@ def _start_section(study: Study, results: list[RunResult]) -> list[str]:
                     means[(n, sp)] = statistics.fmean(vals)
                 cells.append(fmt_pct(vals))
             for k in passk:
-                vals = _starts_eval(results, p, n, k)
-                cells.append(fmt_pct(vals))
+                cells.append(fmt_pct(_starts_eval(results, p, n, k)))
+            for k in distinct:
+                cells.append(fmt_num(_starts_eval(results, p, n, k)))
             first = [
                 c.lengths[0]
                 for res in results
@@ -606,7 +693,7 @@ def _start_section(study: Study, results: list[RunResult]) -> list[str]:
             ]
             cells.append(f"{statistics.fmean(first):.1f}" if first else "-")
             rows.append([n, *cells])
-        header = ["node", *splits, *passk, "completion tokens (step 1)"]
+        header = ["node", *splits, *passk, *distinct, "completion tokens (step 1)"]
         L += [f"### {ps.label or p}", "", *_table(header, rows), ""]
         if len(nodes) >= 2:
             gaps = []
@@ -688,6 +775,25 @@ def _offpolicy_section(study: Study, results: list[RunResult]) -> list[str]:
                 ((lambda c: statistics.fmean(c.lengths[-5:]) if c.lengths else None), fmt_num),
             ),
         ]
+        logged = {
+            k
+            for res in results
+            if res.run.pairing == p
+            for c in res.nodes.values()
+            for k in c.loss_mean
+        }
+        if "variance_ratio_mean" in logged:  # ReCo's statistics
+            cols += [
+                (
+                    "variance ratio mean",
+                    ((lambda c: c.loss_mean.get("variance_ratio_mean")), lambda v: fmt_num(v, 3)),
+                ),
+                (
+                    "ReCo weight max",
+                    ((lambda c: c.loss_max.get("reco_weight_max")), lambda v: fmt_num(v, 2)),
+                ),
+                ("clipped", ((lambda c: c.loss_mean.get("clip_frac")), fmt_pct)),
+            ]
         L += [f"### {ps.label or p}", "", *_method_table(study, results, p, cols), ""]
     return L
 
