@@ -36,8 +36,8 @@ class NodeCurve:
     tokens: list[float] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
     acc: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
-    # other eval/* metrics at the eval points (pass@k, distinct answers, ...), keyed without eval/
-    evals: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    # other eval/* metrics (pass@k, distinct answers, ...), keyed without eval/: step -> value
+    evals: dict[str, dict[int, float]] = field(default_factory=lambda: defaultdict(dict))
     filtered: float | None = None
     is_mean: float | None = None  # mean over steps of loss/is_weight_mean
     is_max: float | None = None  # max over steps of loss/is_weight_max
@@ -55,12 +55,12 @@ class NodeCurve:
         return v[0] if v else None
 
     def final_eval(self, key: str) -> float | None:
-        v = self.evals.get(key)
-        return v[-1] if v else None
+        """The metric at the last eval point (None when that eval did not log it)."""
+        return self.evals.get(key, {}).get(self.steps[-1]) if self.steps else None
 
     def start_eval(self, key: str) -> float | None:
-        v = self.evals.get(key)
-        return v[0] if v else None
+        """The metric at the first eval point, step 0 (None when that eval did not log it)."""
+        return self.evals.get(key, {}).get(self.steps[0]) if self.steps else None
 
 
 @dataclass
@@ -118,7 +118,7 @@ def node_curves(rows: list[dict[str, Any]]) -> dict[str, NodeCurve]:
                 if name.endswith("/accuracy"):
                     c.acc[name[: -len("/accuracy")]].append(float(v))
                 elif name not in ("accuracy", "size"):
-                    c.evals[name].append(float(v))
+                    c.evals[name][int(r["step"])] = float(v)
         out[node] = c
     return out
 
