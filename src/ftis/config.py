@@ -101,12 +101,13 @@ class LossConfig(_Strict):
 
 
 class OptimConfig(_Strict):
-    name: Literal["adamw", "adam"] = Field("adamw", description="Optimizer.")
+    name: Literal["adamw", "adam", "sgd"] = Field("adamw", description="Optimizer.")
     lr: float = Field(
         1e-4, gt=0, description="Learning rate (constant, no schedule, as in the paper)."
     )
-    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (adamw).")
+    weight_decay: float = Field(0.0, ge=0, description="Weight decay: decoupled (adamw), L2 (sgd).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
+    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum (sgd only).")
     grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
 
 

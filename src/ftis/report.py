@@ -201,10 +201,26 @@ def write_report(run_dir: Path) -> Path:
     ]
     if (run_dir / "training.png").exists():
         lines += ["![training](training.png)", ""]
+    lines += _algorithm_section(rows, run_dir)
     lines += ["Config: [config.yaml](config.yaml). Metrics: [metrics.jsonl](metrics.jsonl).", ""]
     path = run_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def _algorithm_section(rows: list[dict[str, Any]], run_dir: Path) -> list[str]:
+    """The lines the run's algorithm adds to its report (`register_algorithm(report=...)`),
+    found from config.yaml's algorithm kind; none when there is no config or no such hook."""
+    import yaml
+
+    from ftis.algos import get_algorithm
+
+    try:
+        kind = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {})["algorithm"]["kind"]
+        spec = get_algorithm(str(kind))
+    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+        return []
+    return spec.report_section(rows, run_dir)
 
 
 def compare_runs(run_dirs: list[Path], out: Path) -> Path:

@@ -10,6 +10,7 @@ the bare answer.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -84,9 +85,41 @@ def warm_start(
     key = cache_key(model_cfg, ws, task_cfg)
     name = model_cfg.preset or Path(str(model_cfg.path)).name
     target = cache_root() / "warmstart" / f"{name}-{key}"
+    if _cached(target):
+        return target
+    # Several nodes of one run often share a warm start: one computes it, the others wait for
+    # it (an advisory lock per entry; where there is no fcntl, each computes its own).
+    locks = target.parent / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with _entry_lock(locks / f"{target.name}.lock"):
+        if _cached(target):
+            return target
+        return _train_and_cache(model_cfg, ws, task_cfg, key, name, target, progress)
+
+
+def _cached(target: Path) -> bool:
     if (target / "meta.json").exists() and (target / "config.json").exists():
         log.info("warm start: cache hit %s", target)
-        return target
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def _entry_lock(path: Path):
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _train_and_cache(model_cfg, ws, task_cfg, key, name, target, progress) -> Path:
     task = warmstart_task(task_cfg, ws)
     tok = load_tokenizer(model_cfg)
     model = build_model(model_cfg)

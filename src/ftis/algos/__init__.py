@@ -75,13 +75,16 @@ class AlgorithmSpec:
     """A registered algorithm: its config class, the factory of its per-node object, (for
     algorithms with service ranks) the function a service rank runs until the run ends, and
     (optionally) a launcher that starts the whole run itself instead of ftis's own launcher
-    (`ftis.launch.run_local` hands it the run)."""
+    (`ftis.launch.run_local` hands it the run), and (optionally) a report section:
+    `report(rows, run_dir) -> list[str]`, markdown lines that `ftis report` appends to
+    report.md (it may also write its own PNGs into run_dir)."""
 
     kind: str
     config: type[AlgorithmConfig]
     factory: str | Factory
     service: str | Serve | None = None
     launcher: str | Launcher | None = None
+    report: str | Callable[..., list[str]] | None = None
 
     def build(self, ctx: NodeContext) -> Algorithm:
         """The algorithm for the node that `ctx` describes."""
@@ -101,6 +104,10 @@ class AlgorithmSpec:
             raise ValueError(f"algorithm {self.kind!r} registered no launcher")
         return _resolve(self.launcher)(cfg, run_dir, **kwargs)
 
+    def report_section(self, rows: list[dict], run_dir: Any) -> list[str]:
+        """This algorithm's own lines for report.md (none unless it registered a report)."""
+        return [] if self.report is None else list(_resolve(self.report)(rows, run_dir))
+
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {}
 
@@ -112,9 +119,10 @@ def register_algorithm(
     *,
     service: str | Serve | None = None,
     launcher: str | Launcher | None = None,
+    report: str | Callable[..., list[str]] | None = None,
 ) -> AlgorithmSpec:
     """Make `kind` available to `config.algorithm.kind` (replacing an earlier registration)."""
-    spec = AlgorithmSpec(kind, config, factory, service, launcher)
+    spec = AlgorithmSpec(kind, config, factory, service, launcher, report)
     ALGORITHMS[kind] = spec
     return spec
 
@@ -153,3 +161,36 @@ def _register_fgrpo() -> None:
 
 
 _register_fgrpo()
+
+
+def _register_dpo() -> None:
+    # DPO alone, and DecDPO: the same local DPO steps, then gossip with the graph's neighbours.
+    from ftis.algos.dpo.config import DPOConfig, GossipDPOConfig
+
+    register_algorithm(
+        "dpo", DPOConfig, "ftis.algos.dpo.algorithm:DPOAlgorithm", report=_DPO_REPORT
+    )
+    register_algorithm(
+        "gossip-dpo",
+        GossipDPOConfig,
+        "ftis.algos.dpo.algorithm:GossipDPOAlgorithm",
+        report=_DPO_REPORT,
+    )
+
+
+_DPO_REPORT = "ftis.algos.dpo.report:report_section"
+_register_dpo()
+
+
+def _register_population() -> None:
+    # RandOpt and CoRP: score seeded perturbations, trade reward vectors (docs/randopt.md).
+    from ftis.algos.randopt.config import CoRPConfig, RandOptConfig
+
+    factory = "ftis.algos.randopt.algorithm:PopulationAlgorithm"
+    report = "ftis.algos.randopt.report:report_section"
+    register_algorithm("randopt", RandOptConfig, factory, report=report)
+    register_algorithm("corp", CoRPConfig, factory, report=report)
+
+
+_register_population()
+

@@ -36,6 +36,8 @@ class NodeContext:
         it with a codec (`ftis.exchange.codec`) to trade payloads.
     timer: `with ctx.timer("phase"):` times a phase into the step's `time/<phase>`.
     first_step: the first step this process runs (1, or one past the resumed checkpoint).
+    run_dir: the run directory, for an algorithm's own artifacts under `nodes/<node name>/`
+        (None when the caller gives none, e.g. in unit tests).
     """
 
     cfg: RunConfig
@@ -45,6 +47,7 @@ class NodeContext:
     transport: Transport
     timer: PhaseTimer
     first_step: int
+    run_dir: Path | None = None
 
 
 @dataclass

@@ -149,6 +149,7 @@ def train_node(
             transport=transport,
             timer=timer,
             first_step=start + 1,
+            run_dir=run_dir,
         )
     )
     if found is not None:

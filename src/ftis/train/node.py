@@ -39,6 +39,10 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.name == "adamw":
         return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(
+            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
     return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas)
 
 

@@ -1,0 +1,84 @@
+"""Each agent's preference pairs, from the run config (docs/dpo.md, "Data").
+
+embedded: the run's task with the agent's overrides (`data.agents.<name>.task`) gives the
+prompts: `train_pairs` from its train split (from an offset keyed by the agent's name) and
+`eval_pairs` from its held-out test split; each pair's rejected response is a mistake drawn
+from the agent's corruption weights. Agents with different overrides or mistakes hold
+different preference distributions (non-IID).
+
+jsonl: an agent's own file (`agents.<name>.path`), or its round-robin shard of the shared
+`data.path`; held out: `eval_path`, else the first `eval_pairs` rows of a seeded shuffle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable
+
+from ftis.config import RunConfig
+from ftis.preferences.data import PreferencePair, read_pairs
+from ftis.preferences.embedded import heldout_problems, pairs_for, train_problems
+from ftis.tasks import build_task
+from ftis.tasks.base import Problem, TaskDataError
+
+
+def agent_pairs(
+    cfg: RunConfig, rank: int, *, answer: Callable[[list[Problem]], list[str]] | None = None
+) -> tuple[list[PreferencePair], list[PreferencePair]]:
+    """(training pairs, held-out pairs) of node `rank`. `answer(problems)`: the starting
+    model's greedy completions, needed by the embedded mistake kind `own`."""
+    d = cfg.algorithm.data
+    name = cfg.nodes[rank].name
+    agent = d.agents.get(name)
+    if d.source == "embedded":
+        overrides = agent.task if agent is not None else {}
+        task = build_task({**cfg.task.model_dump(), **overrides})
+        corruptions = (agent.corruptions if agent is not None else None) or d.corruptions
+        try:
+            out = []
+            for problems, salt in (
+                (train_problems(task, d.train_pairs, seed=d.seed, salt=name), name),
+                (heldout_problems(task, d.eval_pairs), f"{name}/eval"),
+            ):
+                own = answer(problems) if answer is not None and corruptions.get("own") else None
+                out.append(
+                    pairs_for(
+                        task, problems, corruptions=corruptions, seed=d.seed, salt=salt, own=own
+                    )
+                )
+            train, heldout = out
+        except ValueError as e:
+            raise TaskDataError(f"algorithm.data (node {name}): {e}") from e
+        return train, heldout
+    own = agent is not None and agent.path is not None
+    rows = read_pairs(agent.path if own else d.path, format=d.format)
+    eval_file = (agent.eval_path if agent is not None else None) or d.eval_path
+    order = _shuffled(len(rows), d.seed, agent.path if own else d.path)
+    if eval_file is not None:
+        heldout = read_pairs(eval_file, format=d.format)[: d.eval_pairs]
+        rest = order
+    else:
+        if len(rows) <= d.eval_pairs:
+            raise TaskDataError(
+                f"preferences file {(agent.path if own else d.path)!r} has {len(rows)} pairs, "
+                f"not more than algorithm.data.eval_pairs ({d.eval_pairs}) held out; lower "
+                "eval_pairs or give an eval_path"
+            )
+        heldout = [rows[i] for i in order[: d.eval_pairs]]
+        rest = order[d.eval_pairs :]
+    if not own:  # a round-robin shard of the shared file
+        rest = rest[rank :: len(cfg.nodes)]
+    train = [rows[i] for i in rest]
+    if d.train_pairs:
+        train = train[: d.train_pairs]
+    if not train:
+        raise TaskDataError(f"node {name} has no training pairs left; give it more data")
+    return train, heldout
+
+
+def _shuffled(n: int, seed: int, key: str | None) -> list[int]:
+    digest = hashlib.blake2b(f"ftis-prefs-split:{seed}:{key}".encode(), digest_size=8).digest()
+    order = list(range(n))
+    random.Random(int.from_bytes(digest, "little")).shuffle(order)
+    return order

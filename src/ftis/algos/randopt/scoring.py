@@ -1,0 +1,97 @@
+"""Scoring a model greedily on a problem set, and the private problem sets a node scores on.
+
+Scoring is batched over problems (one greedy generation per `batch_size` prompts, KV-cached,
+stopping as soon as every sequence has ended) and counts the forward-pass tokens it costs:
+prompt tokens plus completion tokens of every sequence, the compute figure the population's
+`train/forward_tokens*` metrics report (docs/randopt.md, "Compute accounting").
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from hashlib import blake2b
+
+import torch
+
+from ftis.rollout.sampler import decode_completions, sample
+from ftis.tasks.base import Problem, Task
+from ftis.train.evaluate import answer_extractor
+from ftis.train.node import Node
+
+
+@dataclass
+class ProblemSet:
+    """Problems and their prompt token ids (tokenized once)."""
+
+    problems: list[Problem]
+    prompts: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.problems)
+
+
+def problem_set(task: Task, node: Node, problems: list[Problem]) -> ProblemSet:
+    return ProblemSet(problems, [task.prompt_ids(p, node.tokenizer) for p in problems])
+
+
+def private_sets(
+    task: Task, node: Node, *, seed: int, name: str, support: int, probe: int
+) -> tuple[ProblemSet, ProblemSet]:
+    """(support, probe): `support + probe` distinct problems of `task`'s train split, drawn from
+    (seed, node name), so every node holds its own problems; the probe set is disjoint from the
+    support set. Evaluation splits are never used (the train split excludes them)."""
+    train = task.split("train")
+    want = support + probe
+    if want > len(train):
+        raise ValueError(
+            f"node {name}: support_size + probe_size = {want} exceeds the {len(train)} train "
+            "problems of its task; lower algorithm.support_size or probe_size"
+        )
+    key = blake2b(f"population|{seed}|{name}".encode(), digest_size=8).digest()
+    idx = random.Random(int.from_bytes(key, "little")).sample(range(len(train)), want)
+    problems = [train[i] for i in idx]
+    return problem_set(task, node, problems[:support]), problem_set(task, node, problems[support:])
+
+
+@torch.no_grad()
+def greedy_completions(
+    node: Node, ps: ProblemSet, *, max_new_tokens: int, batch_size: int
+) -> tuple[list[str], int]:
+    """(decoded greedy completion of every problem, forward-pass tokens spent)."""
+    tok = node.tokenizer
+    texts: list[str] = []
+    tokens = 0
+    for start in range(0, len(ps), batch_size):
+        s = sample(
+            node.model,
+            ps.prompts[start : start + batch_size],
+            num_samples=1,
+            max_new_tokens=max_new_tokens,
+            eos_id=tok.eos_token_id,
+            pad_id=tok.pad_token_id,
+            temperature=0.0,
+        )
+        texts += decode_completions(tok, s.completion_ids, s.lengths)
+        tokens += int(s.prompt_mask.sum()) + int(s.lengths.sum())
+    return texts, tokens
+
+
+def rewards_of(task: Task, ps: ProblemSet, texts: list[str]) -> tuple[list[float], int]:
+    """(each completion's reward, how many were non-finite and counted as 0)."""
+    out, bad = [], 0
+    for p, t in zip(ps.problems, texts, strict=True):
+        r = float(task.reward(p, t))
+        if not math.isfinite(r):
+            r, bad = 0.0, bad + 1
+        out.append(r)
+    return out, bad
+
+
+def answers_of(task: Task, texts: list[str]) -> list[str | None]:
+    """The final answers the vote counts: the task's `extract_answer`, else the stripped text."""
+    extract = answer_extractor(task)
+    if extract is None:
+        return [t.strip() or None for t in texts]
+    return [extract(t) for t in texts]

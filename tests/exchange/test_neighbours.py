@@ -1,0 +1,144 @@
+"""Neighbour-only gossip over torch.distributed (gloo), with real processes: the message codec,
+mixing with announced degrees, a rejected (non-finite) message, and a lost agent whose
+neighbours renormalise and carry on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ftis.algos.dpo.gossip import decode, encode
+from ftis.exchange.store import HOSTED_ENV, host_store, mark_left
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_message_codec_rejects_what_does_not_fit():
+    theta = torch.tensor([1.0, -2.0, 3.5])
+    msg = encode(7, 2, theta)
+    assert msg.tolist() == [7.0, 3.0, 2.0, 1.0, -2.0, 3.5]
+    degree, back = decode(msg, round_=7, size=3, world_size=4)
+    assert degree == 2 and torch.equal(back, theta)
+    assert "round" in decode(msg, round_=8, size=3, world_size=4)
+    assert "numbers" in decode(msg[:-1], round_=7, size=3, world_size=4)
+    assert "degree" in decode(encode(7, 4, theta), round_=7, size=3, world_size=4)  # > world - 1
+    assert "degree" in decode(encode(7, 0, theta), round_=7, size=3, world_size=4)
+    nan = encode(7, 2, torch.tensor([1.0, float("nan"), float("inf")]))
+    assert decode(nan, round_=7, size=3, world_size=4) == "2 non-finite parameters"
+
+
+def _agent(out_dir: str) -> None:
+    """One agent of a triangle (run in a subprocess): each round it adds (rank + 1) * round to
+    its parameters (its "local steps"), then mixes with its live neighbours. Agent 2 sends NaN
+    in round 2 and dies at the start of round 3."""
+    from ftis.algos.dpo.gossip import HEADER, decode, encode
+    from ftis.core.mixing import mix, pairwise_weight
+    from ftis.exchange.neighbours import NeighbourChannel
+
+    rank = int(os.environ["RANK"])
+    ch = NeighbourChannel.join(first_step=1, size=HEADER + 2, timeout_s=30.0)
+    theta = torch.tensor([float(rank), 10.0 * rank])
+    log = []
+    for rnd in range(1, 5):
+        if rank == 2 and rnd == 3:
+            os._exit(17)
+        theta = theta + (rank + 1) * rnd
+        nbrs = [j for j in range(3) if j != rank]
+        ch.check_left(nbrs, rnd)
+        peers = [j for j in nbrs if ch.takes_part(j, rnd)]
+        sent = theta.clone()
+        if rank == 2 and rnd == 2:
+            sent[1] = float("nan")
+        got = ch.exchange(rnd, encode(rnd, len(peers), sent), peers)
+        others, weights, rejected = [], [], 0
+        for j in peers:
+            if j not in got:
+                continue
+            dec = decode(got[j], round_=rnd, size=2, world_size=3)
+            if isinstance(dec, str):
+                rejected += 1
+                continue
+            others.append(dec[1])
+            weights.append(pairwise_weight(len(peers), dec[0]))
+        theta = mix(theta, others, weights)
+        log.append(
+            {
+                "round": rnd,
+                "theta": theta.tolist(),
+                "peers": peers,
+                "weights": weights,
+                "rejected": rejected,
+                "lost": sorted(ch.lost),
+            }
+        )
+    ch.close()
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(log))
+
+
+def test_gossip_between_processes_rejects_nan_and_survives_a_lost_agent(tmp_path):
+    server, store, port = host_store()
+    env = {
+        **os.environ,
+        "WORLD_SIZE": "3",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        HOSTED_ENV: "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+    }
+    code = f"from tests.exchange.test_neighbours import _agent; _agent({str(tmp_path)!r})"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env={**env, "RANK": str(r)},
+            cwd=ROOT,
+            stderr=(tmp_path / f"{r}.log").open("w"),
+        )
+        for r in range(3)
+    ]
+    deadline = time.monotonic() + 120
+    marked = False
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if not marked and procs[2].poll() is not None:  # as `ftis run`'s launcher does
+            mark_left(store, 2, f"its process exited with code {procs[2].returncode}")
+            marked = True
+        time.sleep(0.05)
+    errs = [(tmp_path / f"{r}.log").read_text()[-2000:] for r in range(3)]
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0, 17], errs
+    logs = {r: json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)}
+    # round 1: 0, 1, 2 start at (0, 0), (1, 10), (2, 20) and add 1, 2, 3: (1, 1), (3, 12),
+    # (5, 23). Complete graph of 3, every degree 2: all weights 1/3 -> the mean (3, 12).
+    for r in (0, 1):
+        assert logs[r][0]["weights"] == pytest.approx([1 / 3, 1 / 3])
+        assert logs[r][0]["theta"] == pytest.approx([3.0, 12.0])
+    # round 2: add 2, 4 (and 6 for agent 2): 0 at (5, 14), 1 at (7, 16). Agent 2's message has
+    # a NaN: rejected, its 1/3 stays with the receiver: 0 -> 2/3 (5, 14) + 1/3 (7, 16)
+    assert logs[0][1]["rejected"] == 1 and logs[0][1]["weights"] == pytest.approx([1 / 3])
+    assert logs[0][1]["theta"] == pytest.approx([17 / 3, 44 / 3])
+    assert logs[1][1]["theta"] == pytest.approx([19 / 3, 46 / 3])
+    # round 3: agent 2 died at its start. 0 and 1 add 3 and 6: a = (17/3 + 3, 44/3 + 3),
+    # b = (19/3 + 6, 46/3 + 6). Whether they learned it before the exchange (degree 1 each:
+    # W = 1/2) or during it (they had announced degree 2: W = 1/3, agent 2's share stays with
+    # each), both used the same weight w, so 0 -> (1 - w) a + w b and 1 -> (1 - w) b + w a.
+    a = torch.tensor([17 / 3 + 3, 44 / 3 + 3])
+    b = torch.tensor([19 / 3 + 6, 46 / 3 + 6])
+    w = logs[0][2]["weights"]
+    assert w == logs[1][2]["weights"] and w in ([pytest.approx(1 / 3)], [pytest.approx(0.5)])
+    assert logs[0][2]["theta"] == pytest.approx(((1 - w[0]) * a + w[0] * b).tolist())
+    assert logs[1][2]["theta"] == pytest.approx(((1 - w[0]) * b + w[0] * a).tolist())
+    # round 4: agent 2 is lost for both; one neighbour each, W = 1/2 over the remaining graph
+    for r in (0, 1):
+        assert logs[r][2]["lost"] == [2] and logs[r][3]["peers"] == [1 - r]
+        assert logs[r][3]["weights"] == pytest.approx([0.5])
+    assert logs[0][3]["theta"] == pytest.approx(logs[1][3]["theta"])  # the mean of the two
+    del store, server
