@@ -181,24 +181,22 @@ def finals(
     results: list[RunResult], pairing: str, variant: str, node: str, split: str
 ) -> list[float]:
     """Final accuracy of `node` over seeds, for one pairing and variant (alone runs included)."""
-    out = []
-    for res in results:
-        r = res.run
-        if r.pairing != pairing or r.variant != variant or (r.node not in (None, node)):
-            continue
-        c = res.nodes.get(node)
-        if c is not None and c.final(split) is not None:
-            out.append(c.final(split))
-    return out
+    return node_values(results, pairing, variant, node, lambda c: c.final(split))
 
 
 def starts(results: list[RunResult], pairing: str, node: str, split: str) -> list[float]:
     """Step-0 accuracy of a node (the warm-started model), one value per distinct seed."""
+    return _per_seed_start(results, pairing, node, lambda c: c.start(split))
+
+
+def _per_seed_start(results: list[RunResult], pairing: str, node: str, fn) -> list[float]:
+    """`fn(curve)` at step 0 of a node, one value per distinct seed (the first run's)."""
     by_seed = {}
     for res in results:
         c = res.nodes.get(node)
-        if res.run.pairing == pairing and c is not None and c.start(split) is not None:
-            by_seed.setdefault(res.run.seed, c.start(split))
+        v = fn(c) if res.run.pairing == pairing and c is not None else None
+        if v is not None:
+            by_seed.setdefault(res.run.seed, v)
     return list(by_seed.values())
 
 
@@ -709,12 +707,7 @@ def _start_section(study: Study, results: list[RunResult]) -> list[str]:
 
 def _starts_eval(results: list[RunResult], pairing: str, node: str, key: str) -> list[float]:
     """Step-0 value of an eval metric (pass@k, ...) of a node, one value per distinct seed."""
-    by_seed = {}
-    for res in results:
-        c = res.nodes.get(node)
-        if res.run.pairing == pairing and c is not None and c.start_eval(key) is not None:
-            by_seed.setdefault(res.run.seed, c.start_eval(key))
-    return list(by_seed.values())
+    return _per_seed_start(results, pairing, node, lambda c: c.start_eval(key))
 
 
 def _method_table(
