@@ -6,24 +6,30 @@ serve several clients over the run. A worker builds each client it serves once (
 tokenizer, task; the base model is read from the shared warm start on disk) and keeps it for
 the rest of the run. Nothing of a client's state carries from one round to the next but the
 global parameters the server sends, so which worker runs a round does not matter.
+
+Deployed (`ftis.algos.fgrpo.deploy`: a SuperLink and one SuperNode per data owner) the same two
+apps run: the ServerApp in the SuperLink's `flwr-serverapp` process, the ClientApp in a
+`flwr-clientapp` process per message on the data owner's machine, its client named by the
+SuperNode's node config (`client`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from ftis.algos.fgrpo.client import LocalClient
 from ftis.algos.fgrpo.faults import FaultPlan, InjectedDropout, corrupt
+from ftis.algos.fgrpo.identity import client_rank, identify_reply, reply
 from ftis.algos.fgrpo.records import (
     ARRAYS,
-    CLIENT_KEY,
     CONFIG,
     COUNT_KEY,
     METRICS,
@@ -39,35 +45,22 @@ from ftis.config import RunConfig
 
 log = logging.getLogger(__name__)
 
-PARTITION_KEY = "partition-id"  # Flower's simulation gives node i partition i: client cfg.nodes[i]
-
 # The clients this worker process has built: (run dir, name) -> client.
 _CLIENTS: dict[tuple[str, str], LocalClient] = {}
-
-
-def _client_rank(cfg: RunConfig, context: Context) -> int:
-    try:
-        rank = int(context.node_config[PARTITION_KEY])
-    except (KeyError, TypeError, ValueError):
-        raise RuntimeError(
-            f"this Flower node has no {PARTITION_KEY!r} in its node config: run FGRPO through "
-            "ftis (Flower's simulation engine), which gives node i the client cfg.nodes[i]"
-        ) from None
-    if not 0 <= rank < len(cfg.nodes):
-        raise RuntimeError(f"partition {rank} has no client (there are {len(cfg.nodes)})")
-    return rank
 
 
 def make_client_app(
     cfg: RunConfig,
     run_dir: Path,
     *,
-    base_dir: Path | None = None,
+    base_dir: Path | Callable[[], Path | None] | None = None,
     faults: FaultPlan | None = None,
     threads: int = 0,
 ) -> ClientApp:
     """The ClientApp of run `cfg`. base_dir: the shared warm-started base model (None: each
-    client builds its model from its config). faults: test-only fault injection. threads:
+    client builds its model from its config), or a function that returns it, called when the
+    process builds its first client (a deployed node warm-starts only when it has work). faults:
+    test-only fault injection. threads:
     torch threads of a worker process (0 = leave them alone, e.g. when clients run in this
     process)."""
     app = ClientApp()
@@ -77,21 +70,18 @@ def make_client_app(
     plan = faults or FaultPlan()
 
     def client_for(context: Context) -> LocalClient:
-        rank = _client_rank(cfg, context)
+        rank = client_rank(cfg, context)
         key = (run_key, cfg.nodes[rank].name)
         if key not in _CLIENTS:
             if threads:
                 torch.set_num_threads(threads)
-            _CLIENTS[key] = LocalClient(cfg, rank, base_dir=base_dir)
+            base = base_dir() if callable(base_dir) else base_dir
+            _CLIENTS[key] = LocalClient(cfg, rank, base_dir=base)
         return _CLIENTS[key]
-
-    def reply(msg: Message, name: str, **records: Any) -> Message:
-        content = RecordDict({CONFIG: ConfigRecord({CLIENT_KEY: name}), **records})
-        return Message(content, reply_to=msg)
 
     @app.query()
     def identify(msg: Message, context: Context) -> Message:
-        return reply(msg, cfg.nodes[_client_rank(cfg, context)].name)
+        return identify_reply(cfg, msg, context)
 
     def check_alive(name: str, r: int) -> None:
         crash_at = cfg.testing.crash_at_step.get(name)

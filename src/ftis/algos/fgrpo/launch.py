@@ -7,6 +7,7 @@
     rows         metrics.jsonl: one row per client per round, one `server` row per round
 
 `ftis run` reaches this through the algorithm registry (`launcher=`), not ftis's own launcher.
+A deployed run (`ftis.algos.fgrpo.deploy`) calls it too, with the SuperLink's Grid as engine.
 Ctrl-C / SIGTERM: the round in flight finishes, the server checkpoints it, the remaining rounds
 are skipped and KeyboardInterrupt is raised (the CLI then says how to resume).
 """
@@ -48,7 +49,7 @@ def not_a_node(ctx: Any) -> Any:
     )
 
 
-def _base_model(cfg: RunConfig, progress: Any = None) -> Path | None:
+def base_model(cfg: RunConfig, progress: Any = None) -> Path | None:
     """The shared base model's directory (the warm start, trained once and cached), or None
     when the clients' model needs no warm start."""
     node = cfg.nodes[0]
@@ -113,13 +114,16 @@ def run_federated(
     resume: bool = False,
     faults: FaultPlan | None = None,
     engine: Engine | None = None,
+    check_client_data: bool = True,
 ) -> MultiResult:
     """Run FGRPO config `cfg` to the end under Flower's simulation engine, writing the run
     directory `run_dir`. resume: continue from the server's newest checkpoint.
 
-    Test seams (never set by `ftis run`): faults injects faulty clients
-    (`ftis.algos.fgrpo.faults`); engine replaces Flower's simulation engine (Ray) by another
-    with its signature, e.g. `ftis.algos.fgrpo.inprocess.run_in_process`."""
+    Seams (never set by `ftis run`): faults injects faulty clients (tests,
+    `ftis.algos.fgrpo.faults`); engine replaces Flower's simulation engine (Ray) by another
+    with its signature, e.g. `ftis.algos.fgrpo.inprocess.run_in_process` (tests) or a deployed
+    Grid (`ftis.algos.fgrpo.deploy`); check_client_data=False skips building every client's
+    data here first (deployed, the clients' data lives on their machines)."""
     import torch
 
     run_dir = Path(run_dir)
@@ -129,7 +133,15 @@ def run_federated(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run(cfg, run_dir, console=console, resume=resume, faults=faults, engine=engine)
+        return _run(
+            cfg,
+            run_dir,
+            console=console,
+            resume=resume,
+            faults=faults,
+            engine=engine,
+            check_client_data=check_client_data,
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -142,6 +154,7 @@ def _run(
     resume: bool,
     faults: FaultPlan | None,
     engine: Engine | None,
+    check_client_data: bool = True,
 ) -> MultiResult:
     import torch
 
@@ -170,8 +183,9 @@ def _run(
                 warm = bar.add_task("base model warm start", total=total, info="")
             bar.update(warm, completed=step, info=f"loss {loss:.3f}")
 
-        check_clients(cfg)
-        base_dir = _base_model(cfg, warm_progress)
+        if check_client_data:
+            check_clients(cfg)
+        base_dir = base_model(cfg, warm_progress)
         # Seeded here, after the warm start (which seeds torch itself only on a cache miss):
         # LoRA adapters of the initial global model are the same whether the cache was warm.
         torch.manual_seed(node_seed(cfg.train.seed, len(names)))
