@@ -1,1 +1,0 @@
-"""Swarm: F-TIS among peers that join, leave and rejoin, on hivemind's DHT (docs/swarm.md)."""
