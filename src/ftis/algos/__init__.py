@@ -109,6 +109,22 @@ class AlgorithmSpec:
         return [] if self.report is None else list(_resolve(self.report)(rows, run_dir))
 
 
+def check_one_shared_model(run: Any, why: str) -> None:
+    """Raise ValueError unless every node of `run` has the same model (device aside) and
+    warm_start as the first: for algorithms whose nodes all train or perturb one model. `why`
+    ends the message's first clause, e.g. "federated clients train one shared model"."""
+    first = run.nodes[0]
+    for node in run.nodes[1:]:
+        if (
+            node.model.model_dump(exclude={"device"}) != first.model.model_dump(exclude={"device"})
+            or node.warm_start != first.warm_start
+        ):
+            raise ValueError(
+                f"node {node.name!r} has another model or warm_start than {first.name!r}: "
+                f"{why}; give every node the same model and warm_start sections"
+            )
+
+
 ALGORITHMS: dict[str, AlgorithmSpec] = {}
 
 
@@ -193,4 +209,3 @@ def _register_population() -> None:
 
 
 _register_population()
-

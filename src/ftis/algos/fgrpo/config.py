@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ftis.algos import AlgorithmConfig
+from ftis.algos import AlgorithmConfig, check_one_shared_model
 
 SERVER_NAME = "server"  # the server's rows (`node: server`) and checkpoints (nodes/server/)
 
@@ -179,18 +179,7 @@ class FGRPOConfig(AlgorithmConfig):
                 f"algorithm.clients_per_round={self.clients_per_round} exceeds the "
                 f"{len(names)} clients (nodes); lower it, or 0 for all"
             )
-        first = run.nodes[0]
-        for node in run.nodes[1:]:
-            if (
-                node.model.model_dump(exclude={"device"})
-                != first.model.model_dump(exclude={"device"})
-                or node.warm_start != first.warm_start
-            ):
-                raise ValueError(
-                    f"node {node.name!r} has another model or warm_start than {first.name!r}: "
-                    "federated clients train one shared model; give every node the same "
-                    "model and warm_start sections"
-                )
+        check_one_shared_model(run, "federated clients train one shared model")
         if run.testing.adversary:
             raise ValueError(
                 "testing.adversary corrupts rollouts, which fgrpo clients never send; remove it "

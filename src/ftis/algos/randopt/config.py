@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from ftis.algos import AlgorithmConfig
+from ftis.algos import AlgorithmConfig, check_one_shared_model
 
 
 def _finite(name: str, values: list[float], *, positive: bool = False, lo: float | None = None):
@@ -111,18 +111,7 @@ class RandOptConfig(AlgorithmConfig):
                 f"algorithm.node_tasks names unknown nodes {unknown}; use node names "
                 f"({', '.join(names)})"
             )
-        first = run.nodes[0]
-        for node in run.nodes[1:]:
-            if (
-                node.model.model_dump(exclude={"device"})
-                != first.model.model_dump(exclude={"device"})
-                or node.warm_start != first.warm_start
-            ):
-                raise ValueError(
-                    f"node {node.name!r} has another model or warm_start than {first.name!r}: "
-                    "a population perturbs one shared base model; give every node the same "
-                    "model and warm_start sections"
-                )
+        check_one_shared_model(run, "a population perturbs one shared base model")
         if run.testing.adversary:
             raise ValueError(
                 "testing.adversary corrupts rollouts, which population nodes never send; "
