@@ -225,67 +225,53 @@ def sweep(
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """Run a study (a grid of runs, resumable) and regenerate its results document.
-    A study file with `kind: fgrpo` is an FGRPO study (studies/fgrpo.yaml)."""
+    A study file with `kind: fgrpo` is an FGRPO study (studies/fgrpo.yaml); one with
+    `kind: arms` compares arms of any algorithm kind (studies/population.yaml)."""
     _setup_logging(verbose)
     from ftis.study import StudyError, load_study, plan, run_study, write_results
+    from ftis.study.arms import is_arms_study
     from ftis.study.fgrpo import is_fgrpo_study
 
     if jobs != 1:
         _fail("--jobs: only 1 is supported (runs share the CPU; parallel runs distort timings)")
     if is_fgrpo_study(study):
-        _sweep_fgrpo(
-            study,
-            out=out,
-            only=only,
-            dry_run=dry_run,
-            report_only=report_only,
-            report_path=report_path,
-        )
-        return
+        from ftis.study.fgrpo import load_fgrpo_study, run_fgrpo_study
+        from ftis.study.fgrpo import plan as fgrpo_plan
+        from ftis.study.fgrpo_results import write_fgrpo_results
+
+        load, run, write = load_fgrpo_study, run_fgrpo_study, write_fgrpo_results
+        header = ["run", "arm", "kind", "seed", "status"]
+
+        def rows(st):
+            return [
+                [r.id, r.arm, r.kind, str(r.seed), s]
+                for r, s in fgrpo_plan(st, out_dir=out, only=only)
+            ]
+    else:
+        if is_arms_study(study):
+            from ftis.study.arms import load_arms_study as load
+            from ftis.study.arms import write_arms_results as write
+
+            header = ["run", "arm", "seed", "status"]
+        else:
+            load, write = load_study, write_results
+            header = ["run", "variant", "seed", "status"]
+        run = run_study
+
+        def rows(st):
+            return [[r.id, r.variant, str(r.seed), s] for r, s in plan(st, out_dir=out, only=only)]
+
     try:
-        st = load_study(study)
+        st = load(study)
     except StudyError as e:
         _fail(str(e))
     if dry_run:
-        rows = [
-            [r.id, r.variant, str(r.seed), status] for r, status in plan(st, out_dir=out, only=only)
-        ]
-        _print_table(["run", "variant", "seed", "status"], rows, title=f"study {st.spec.name}")
+        _print_table(header, rows(st), title=f"study {st.spec.name}")
         return
     failed = {}
     if not report_only:
-        failed = run_study(st, out_dir=out, only=only, console=console).failed
-    console.print(f"results: {write_results(st, out_dir=out, report_path=report_path)}")
-    if failed:
-        _fail(f"{len(failed)} run(s) failed: {', '.join(sorted(failed))}", code=1)
-
-
-def _sweep_fgrpo(
-    path: Path,
-    *,
-    out: Path | None,
-    only: str | None,
-    dry_run: bool,
-    report_only: bool,
-    report_path: Path | None,
-) -> None:
-    """`ftis sweep` of an FGRPO study (ftis.study.fgrpo): the same options, its own runs."""
-    from ftis.study import StudyError
-    from ftis.study.fgrpo import load_fgrpo_study, plan, run_fgrpo_study
-    from ftis.study.fgrpo_results import write_fgrpo_results
-
-    try:
-        st = load_fgrpo_study(path)
-    except StudyError as e:
-        _fail(str(e))
-    if dry_run:
-        rows = [[r.id, r.arm, r.kind, str(r.seed), s] for r, s in plan(st, out_dir=out, only=only)]
-        _print_table(["run", "arm", "kind", "seed", "status"], rows, title=f"study {st.spec.name}")
-        return
-    failed = {}
-    if not report_only:
-        failed = run_fgrpo_study(st, out_dir=out, only=only, console=console).failed
-    console.print(f"results: {write_fgrpo_results(st, out_dir=out, report_path=report_path)}")
+        failed = run(st, out_dir=out, only=only, console=console).failed
+    console.print(f"results: {write(st, out_dir=out, report_path=report_path)}")
     if failed:
         _fail(f"{len(failed)} run(s) failed: {', '.join(sorted(failed))}", code=1)
 

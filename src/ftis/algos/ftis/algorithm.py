@@ -57,7 +57,12 @@ class FTISAlgorithm:
         if ctx.transport.world_size > 1:
             log.info("rank %d: log-probs travel as %s", self.rank, self.exchange.codec.describe())
         self.adversary = ctx.cfg.testing.adversary.get(ctx.node.name)
-        self.counters = {"generated_tokens_total": 0.0, "skipped_updates_total": 0.0}
+        self.counters = {
+            "generated_tokens_total": 0.0,
+            "skipped_updates_total": 0.0,
+            "forward_tokens_total": 0.0,
+        }
+        self._prompt_len: dict[int, int] = {}  # train-split index -> prompt tokens
 
     def state_dict(self) -> dict[str, Any]:
         return {"counters": dict(self.counters)}
@@ -129,7 +134,24 @@ class FTISAlgorithm:
         self.counters["generated_tokens_total"] += own.num_tokens
         metrics["train/generated_tokens"] = float(own.num_tokens)
         metrics["train/generated_tokens_total"] = self.counters["generated_tokens_total"]
+        tokens = self._forward_tokens(own) + 3 * tc.update_epochs * self._forward_tokens(batch)
+        self.counters["forward_tokens_total"] += tokens
+        metrics["train/forward_tokens"] = float(tokens)
+        metrics["train/forward_tokens_total"] = self.counters["forward_tokens_total"]
         return metrics
+
+    def _forward_tokens(self, batch: RolloutBatch) -> int:
+        """Prompt + completion tokens of every sequence of `batch`: the tokens one forward pass
+        over it processes. A step's compute is its sampling pass over its own samples plus
+        3 x update_epochs such passes over the training batch (forward and backward), the
+        accounting RandOpt/CoRP use too (docs/randopt.md, "Compute accounting")."""
+        total = int(batch.lengths.sum())
+        for i in batch.prompt_index.tolist():
+            if i not in self._prompt_len:
+                ids = self.task.prompt_ids(self.train_split[i], self.node.tokenizer)
+                self._prompt_len[i] = len(ids)
+            total += self._prompt_len[i]
+        return total
 
     def _outgoing(self, own: RolloutBatch, step: int) -> RolloutBatch:
         """What this node sends: its samples, or (testing.adversary) a corrupted copy."""

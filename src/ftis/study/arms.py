@@ -1,0 +1,270 @@
+"""Arms studies: a list of arms, each an ordinary `ftis run` config with overrides, run over seeds;
+for comparisons whose arms are different algorithm kinds (RandOpt against CoRP against GRPO,
+FedDPO against gossip DPO), which the loss-method grid of `ftis.study.spec` cannot express.
+
+    kind: arms                           # what makes `ftis sweep` read the file this way
+    name: population
+    report: docs/results/population.md
+    results: population                  # which renderer writes the document (RENDERERS)
+    seeds: [0, 1, 2]
+    set: [train.seed={seed}]             # overrides for every run; {seed} is the run's seed
+    arms:
+      corp-x1:
+        config: ../configs/corp.yaml     # relative to the study file
+        label: CoRP (two parties)
+        series: corp                     # the curve this arm belongs to (default: its key)
+        x: 1.0                           # its position on that curve (e.g. a budget multiple)
+        set: [algorithm.population=128]
+
+A run's id is `<arm>-s<seed>`; its directory is an ordinary run directory plus study-run.json.
+Running, resuming (a run is done when every node logged its last step; anything else is redone
+from scratch), `--only` and `--dry-run` are those of `ftis sweep` (ftis.study.runner).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ftis.config import ConfigError, RunConfig, format_validation_error, load_config
+from ftis.study.runner import RUN_META, run_status
+from ftis.study.spec import _ID, RunSpec, Study, StudyError
+from ftis.train.metrics import read_metrics
+
+KIND = "arms"
+
+# results: name -> "module:function(study, runs, missing, out_dir, report_path, reading) -> str"
+RENDERERS = {
+    "population": "ftis.study.population_results:render",
+    "dpo": "ftis.study.dpo_results:render",
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ArmSpec(_Strict):
+    """One arm: a run config and its overrides."""
+
+    config: str = Field(description="Run config, relative to the study file.")
+    label: str | None = Field(None, description="Display name; default: the key.")
+    description: str = Field("", description="One line for the results document.")
+    series: str | None = Field(None, description="The curve this arm belongs to; default: key.")
+    x: float | None = Field(None, description="The arm's position on its series (e.g. budget).")
+    set: list[str] = Field(default_factory=list, description="Overrides; {seed} = the seed.")
+
+
+class ArmsStudySpec(_Strict):
+    kind: Literal["arms"]
+    name: str = Field(description="Study name; default output runs/study-<name>.")
+    description: str = Field("", description="A paragraph for the results document.")
+    out: str | None = Field(None, description="Output folder; default runs/study-<name>.")
+    report: str = Field(description="Results document, relative to the cwd.")
+    results: str = Field(description=f"Renderer of the document: {', '.join(RENDERERS)}.")
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
+    set: list[str] = Field(default_factory=list, description="Overrides for every run.")
+    arms: dict[str, ArmSpec] = Field(min_length=1)
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Renderer settings (see the renderer's docstring)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ArmsStudySpec:
+        for key in [self.name, *self.arms]:
+            if not _ID.fullmatch(key):
+                raise ValueError(
+                    f"name {key!r} must be letters, digits, '_', '-' or '.' (it names folders)"
+                )
+        if self.results not in RENDERERS:
+            raise ValueError(f"results: {self.results!r} is not one of {', '.join(RENDERERS)}")
+        return self
+
+
+@dataclass(frozen=True)
+class ArmRun(RunSpec):
+    """One run of an arms study (a RunSpec, so that ftis.study.runner runs it)."""
+
+    arm: str = ""
+    series: str = ""
+    x: float | None = None
+
+    @property
+    def variant(self) -> str:
+        return self.arm
+
+    def meta(self) -> dict:
+        return {
+            "id": self.id,
+            "arm": self.arm,
+            "series": self.series,
+            "x": self.x,
+            "seed": self.seed,
+        }
+
+
+@dataclass
+class ArmResult:
+    """A complete run: its spec, its metrics rows and what `ftis sweep` recorded about it."""
+
+    run: ArmRun
+    rows: list[dict[str, Any]]
+    seconds: float | None = None
+    code: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def node_rows(self, node: str) -> list[dict[str, Any]]:
+        return [r for r in self.rows if r.get("node") == node]
+
+    @property
+    def nodes(self) -> list[str]:
+        return [n.name for n in self.run.config.nodes]
+
+
+def is_arms_study(path: str | Path) -> bool:
+    """True when `path` is a YAML study with `kind: arms`."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and data.get("kind") == KIND
+
+
+def load_arms_study(path: str | Path) -> Study:
+    """Read, validate and expand an arms study (a Study whose runs are ArmRuns)."""
+    path = Path(path)
+    if not path.exists():
+        raise StudyError(f"study file {str(path)!r} does not exist; give a YAML path")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+        spec = ArmsStudySpec.model_validate(data)
+    except yaml.YAMLError as e:
+        raise StudyError(f"study file {str(path)!r} is not valid YAML: {e}") from e
+    except ValidationError as e:
+        raise StudyError(
+            f"study {path}: " + format_validation_error(e).replace("config", "study", 1)
+        ) from None
+    runs = []
+    for seed in spec.seeds:
+        for key, arm in spec.arms.items():
+            rid = f"{key}-s{seed}"
+            overrides = [s.replace("{seed}", str(seed)) for s in [*spec.set, *arm.set]]
+            try:
+                cfg = load_config((path.parent / arm.config).resolve(), [*overrides, f"name={rid}"])
+            except ConfigError as e:
+                raise StudyError(f"run {rid} ({arm.config}): {e}") from None
+            runs.append(
+                ArmRun(
+                    id=rid,
+                    pairing=key,
+                    method=key,
+                    scheme="vertical",
+                    threshold=None,
+                    seed=seed,
+                    node=None,
+                    config=cfg,
+                    arm=key,
+                    series=arm.series or key,
+                    x=arm.x,
+                )
+            )
+    return Study(spec=spec, path=path, runs=runs)  # type: ignore[arg-type]
+
+
+def collect(study: Study, out_dir: Path) -> tuple[list[ArmResult], list[str]]:
+    """The complete runs' results and the ids of the runs that are not complete."""
+    results, missing = [], []
+    for run in study.runs:
+        d = out_dir / run.id
+        if run_status(d, run.config) != "done":
+            missing.append(run.id)
+            continue
+        try:
+            meta = json.loads((d / RUN_META).read_text())
+        except (OSError, ValueError):
+            meta = {}
+        rows = read_metrics(d / "metrics.jsonl")
+        results.append(ArmResult(run, rows, meta.get("seconds"), meta.get("code")))  # type: ignore[arg-type]
+    return results, missing
+
+
+def renderer(name: str) -> Callable[..., str]:
+    module, func = RENDERERS[name].split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def write_arms_results(
+    study: Study, *, out_dir: Path | None = None, report_path: Path | None = None
+) -> Path:
+    """Regenerate the study's document (and its plots) from its run directories."""
+    from ftis.study.results import existing_reading
+
+    out_dir = Path(out_dir) if out_dir else study.out_dir
+    report_path = Path(report_path) if report_path else Path(study.spec.report)
+    results, missing = collect(study, out_dir)
+    reading = existing_reading(report_path)
+    report_path.parent.mkdir(parents=True, exist_ok=True)
+    text = renderer(study.spec.results)(study, results, missing, out_dir, report_path, reading)  # type: ignore[attr-defined]
+    report_path.write_text(text)
+    return report_path
+
+
+def arm_config(study: Study, arm: str) -> RunConfig:
+    """The config of `arm`'s first run (the same for every seed but train/algorithm seeds)."""
+    return next(r.config for r in study.runs if r.pairing == arm)
+
+
+def runs_table(results: list[ArmResult], out_dir: Path) -> list[str]:
+    """Every complete run: arm, seed, wall seconds, code."""
+    from ftis.study.results import _rel, _table
+
+    rows = [
+        [
+            r.run.id,
+            r.run.arm,  # type: ignore[attr-defined]
+            str(r.run.seed),
+            "-" if r.seconds is None else f"{r.seconds:.0f}",
+            r.code or "-",
+        ]
+        for r in results
+    ]
+    return [f"Runs in `{_rel(out_dir)}`:", "", *_table(["run", "arm", "seed", "s", "code"], rows)]
+
+
+def setup_lines(study: Study) -> list[str]:
+    """The study's arms, with their configs and overrides, for the document's set-up section."""
+    from ftis.study.results import _table
+
+    spec = study.spec
+    rows = []
+    for key, arm in spec.arms.items():  # type: ignore[attr-defined]
+        over = ", ".join(f"`{s}`" for s in arm.set) or "-"
+        rows.append([key, arm.label or key, f"`{arm.config}`", over, arm.description or ""])
+    common = ", ".join(f"`{s}`" for s in spec.set) or "none"
+    return [
+        f"Seeds: {', '.join(map(str, spec.seeds))}. Overrides of every run: {common}.",
+        "",
+        *_table(["arm", "label", "config", "overrides", "what"], rows),
+    ]
+
+
+__all__ = [
+    "KIND",
+    "ArmResult",
+    "ArmRun",
+    "ArmsStudySpec",
+    "arm_config",
+    "collect",
+    "is_arms_study",
+    "load_arms_study",
+    "runs_table",
+    "setup_lines",
+    "write_arms_results",
+]
