@@ -1,0 +1,227 @@
+"""Arms studies (ftis.study.arms) and the population study's document (population_results): spec
+checks, run expansion, numbers from hand-written run directories, and a tiny real sweep."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from ftis.cli import app
+from ftis.study import StudyError, plan
+from ftis.study.arms import is_arms_study, load_arms_study, write_arms_results
+from ftis.study.population_results import interpolate
+from tests.conftest import tiny_run_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _study(tmp_path: Path, **extra) -> Path:
+    spec = {
+        "kind": "arms",
+        "name": "pop",
+        "out": str(tmp_path / "out"),
+        "report": str(tmp_path / "pop.md"),
+        "results": "population",
+        "seeds": [0, 1],
+        "set": ["train.seed={seed}"],
+        "options": {"base_series": "grpo", "members": [64]},
+        "arms": {
+            "grpo": {
+                "config": str(ROOT / "studies/population-configs/grpo.yaml"),
+                "set": ["train.steps=10"],
+            },
+            "corp": {
+                "config": str(ROOT / "configs/corp.yaml"),
+                "label": "CoRP pooled",
+                "series": "corp",
+                "x": 64,
+                "set": ["algorithm.seed={seed}", "algorithm.population=64", "train.steps=3"],
+            },
+            "corp-add": {
+                "config": str(ROOT / "studies/population-configs/alone.yaml"),
+                "label": "CoRP add alone",
+                "set": ["algorithm.population=64", "train.steps=3"],
+            },
+            "randopt": {
+                "config": str(ROOT / "studies/population-configs/randopt.yaml"),
+                "label": "RandOpt pooled",
+                "set": ["algorithm.population=64", "train.steps=2", "algorithm.seed={seed}"],
+            },
+        },
+        **extra,
+    }
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def _write_run(run_dir: Path, cfg, rows: list[dict]) -> None:
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _fake(study, tmp_path: Path) -> None:
+    """GRPO: 20% at step 0, 30% at 100 tokens, 40% at 200 (seed 1: 10 points higher after 0).
+    CoRP pooled: 25% after 75 tokens per party (150 in all). CoRP alone: 22% after 75.
+    RandOpt pooled (32 members a step): vote 24% / best 26% after 80 tokens per party."""
+    for r in study.runs:
+        d = tmp_path / "out" / r.id
+        up = 0.1 * r.seed
+        nodes = [n.name for n in r.config.nodes]
+        rows = []
+        if r.arm == "grpo":
+            rows = [
+                {"step": 0, "node": "grpo", "eval/accuracy": 0.2},
+                {
+                    "step": 5,
+                    "node": "grpo",
+                    "eval/accuracy": 0.3 + up,
+                    "train/forward_tokens_total": 100,
+                },
+                {
+                    "step": 10,
+                    "node": "grpo",
+                    "eval/accuracy": 0.4 + up,
+                    "train/forward_tokens_total": 200,
+                },
+            ]
+        elif r.arm.startswith("corp"):
+            final = 0.25 if r.arm == "corp" else 0.22
+            for n in nodes:
+                rows += [
+                    {"step": 0, "node": n, "eval/accuracy": 0.2},
+                    {"step": 1, "node": n, "train/forward_tokens_total": 25},
+                    {"step": 2, "node": n, "train/forward_tokens_total": 50},
+                    {
+                        "step": 3,
+                        "node": n,
+                        "eval/accuracy": final,
+                        "train/forward_tokens_total": 75,
+                        "population/weights_sha256": "abc",
+                        "corp/q": 0.75,
+                        "corp/beta": 10.0,
+                        "corp/alpha": 2.0,
+                        "corp/elite_size": 16,
+                        "corp/probe_base": 0.3,
+                        "corp/probe_reward": 0.32,
+                    },
+                ]
+        else:
+            for n in nodes:
+                rows += [
+                    {"step": 0, "node": n, "eval/accuracy": 0.2},
+                    {"step": 1, "node": n, "eval/accuracy": 0.21, "train/forward_tokens_total": 40},
+                    {
+                        "step": 2,
+                        "node": n,
+                        "eval/accuracy": 0.24,
+                        "eval/randopt/best_accuracy": 0.26,
+                        "train/forward_tokens_total": 80,
+                    },
+                ]
+        _write_run(d, r.config, rows)
+
+
+def test_expansion_seed_substitution_and_kind_detection(tmp_path):
+    path = _study(tmp_path)
+    assert is_arms_study(path) and not is_arms_study(ROOT / "studies/reasoning.yaml")
+    study = load_arms_study(path)
+    assert [r.id for r in study.runs] == [
+        "grpo-s0", "corp-s0", "corp-add-s0", "randopt-s0",
+        "grpo-s1", "corp-s1", "corp-add-s1", "randopt-s1",
+    ]  # fmt: skip
+    by_id = {r.id: r for r in study.runs}
+    assert by_id["corp-s1"].config.algorithm.seed == 1 and by_id["corp-s1"].config.train.seed == 1
+    assert by_id["corp-add-s1"].config.algorithm.seed == 0  # its set has no {seed}
+    assert by_id["corp-s0"].config.algorithm.population == 64
+    assert by_id["corp-s0"].meta() == {
+        "id": "corp-s0",
+        "arm": "corp",
+        "series": "corp",
+        "x": 64.0,
+        "seed": 0,
+    }
+    assert by_id["grpo-s0"].series == "grpo" and by_id["grpo-s0"].config.name == "grpo-s0"
+    assert {s for _, s in plan(study)} == {"todo"}
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"results": "nope"}, "results"),
+        ({"arms": {"bad name": {"config": "x.yaml"}}}, "names folders"),
+        ({"arms": {"a": {"config": str(ROOT / "configs/corp.yaml"), "set": ["train.steps=x"]}}}, "run a-s0"),
+        ({"kind": "grid"}, "kind"),
+    ],
+)  # fmt: skip
+def test_bad_specs_say_what_is_wrong(tmp_path, change, message):
+    path = _study(tmp_path)
+    spec = {**yaml.safe_load(path.read_text()), **change}
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    with pytest.raises(StudyError, match=message):
+        load_arms_study(path)
+
+
+def test_interpolate():
+    pts = [(0.0, 0.2), (100.0, 0.3), (200.0, 0.5)]
+    assert interpolate(pts, 150) == pytest.approx(0.4)
+    assert interpolate(pts, 100) == pytest.approx(0.3)
+    assert interpolate(pts, 250) is None and interpolate([], 1) is None
+
+
+def test_population_document_numbers(tmp_path):
+    study = load_arms_study(_study(tmp_path))
+    _fake(study, tmp_path)
+    text = write_arms_results(study).read_text()
+    lines = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if "|" in line}
+    # CoRP pooled: 150 tokens, 25%; GRPO at 150 tokens: 35% (seed 0), 45% (seed 1)
+    corp = lines["CoRP pooled"]
+    assert "| 150 | 25.0 ± 0.0 | +5.0 ± 0.0 | 40.0 ± 7.1 | -15.0 ± 7.1 | 2 |" in corp
+    # RandOpt at 64 members (step 2): 160 tokens; GRPO at 160: 36% and 46%
+    assert (
+        "| 160 | 26.0 ± 0.0 | +6.0 ± 0.0 | 41.0 ± 7.1 | -15.0 ± 7.1 | 2 |"
+        in lines["RandOpt pooled: best of 64"]
+    )
+    assert "| 160 | 24.0 ± 0.0 | +4.0 ± 0.0 |" in lines["RandOpt pooled: top-5 vote of 64"]
+    assert "RandOpt pooled: best of 32" not in lines  # options.members
+    # the alone party against the pooled run at 64 members: +3 points
+    alone = lines["CoRP add alone (consolidated, 64 members)"]
+    assert "| 22.0 ± 0.0 | CoRP pooled | 25.0 ± 0.0 | +3.0 ± 0.0 | 75 |" in alone
+    assert "| corp-s0 | (0.75, 10, 2) | 16 | 30.0 -> 32.0 | yes | - |" in text
+    assert (tmp_path / "results" / "pop" / "accuracy-vs-tokens.png").exists()
+    # the hand-written reading survives regeneration
+    report = tmp_path / "pop.md"
+    report.write_text(report.read_text().replace("_Not written yet._", "My reading."))
+    assert "My reading." in write_arms_results(study).read_text()
+
+
+def test_tiny_arms_sweep_through_the_cli(tmp_path):
+    """One real one-node run per seed through `ftis sweep`, then --dry-run sees it done."""
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(tiny_run_config(steps=2)))
+    spec = {
+        "kind": "arms",
+        "name": "tiny",
+        "out": str(tmp_path / "out"),
+        "report": str(tmp_path / "tiny.md"),
+        "results": "population",
+        "seeds": [0],
+        "set": ["train.seed={seed}", "nodes.0.warm_start.steps=10", "eval.pass_samples=0"],
+        "options": {"base_series": "gd"},
+        "arms": {"gd": {"config": "tiny.yaml"}},
+    }
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    runner = CliRunner()
+    res = runner.invoke(app, ["sweep", str(path)])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(x) for x in (tmp_path / "out/gd-s0/metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 2 and rows[-1]["train/forward_tokens_total"] > 0
+    meta = json.loads((tmp_path / "out/gd-s0/study-run.json").read_text())
+    assert meta["arm"] == "gd" and meta["status"] == "done"
+    assert "| gd-s0 | gd | 0 |" in (tmp_path / "tiny.md").read_text()
+    res = runner.invoke(app, ["sweep", str(path), "--dry-run"])
+    assert res.exit_code == 0 and "done" in res.output
