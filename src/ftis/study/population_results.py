@@ -122,7 +122,7 @@ def _rows_spec(study: Study, results: list[ArmResult]) -> list[tuple[str, str, s
         if key == base:
             continue
         mine = [r for r in results if r.run.arm == key]  # type: ignore[attr-defined]
-        if not mine:
+        if not mine or _kind(mine[0]) not in POPULATION:
             continue
         label = arm.label or key
         cfg = mine[0].run.config
@@ -179,6 +179,29 @@ def _matched_table(study: Study, results: list[ArmResult]) -> list[str]:
         "seeds",
     ]
     return _table(header, out) if out else ["_No complete runs yet._"]
+
+
+def _gradient_table(study: Study, results: list[ArmResult]) -> list[str]:
+    """Each gradient arm's accuracy at the budgets of `options.budgets` (forward tokens; its
+    evaluations interpolated, seed by seed) and at its last step."""
+    budgets = [float(b) for b in study.spec.options.get("budgets", [])]  # type: ignore[attr-defined]
+    rows = []
+    for key, arm in study.spec.arms.items():  # type: ignore[attr-defined]
+        mine = [r for r in results if r.run.arm == key and _kind(r) not in POPULATION]  # type: ignore[attr-defined]
+        if not mine:
+            continue
+        curves = base_curve(mine, key)
+        cells = []
+        for b in budgets:
+            vals = [v for c in curves.values() for v in [interpolate(c, b)] if v is not None]
+            cells.append(fmt_pct(vals) if len(vals) == len(curves) else "-")
+        last = [c[-1][1] for c in curves.values()]
+        tokens = statistics.fmean(c[-1][0] for c in curves.values())
+        rows.append([arm.label or key, *cells, f"{fmt_pct(last)} ({tokens:.3g})", str(len(curves))])
+    if not rows:
+        return []
+    header = ["arm", *[f"at {b:.3g} tokens" for b in budgets], "last (tokens)", "seeds"]
+    return _table(header, rows)
 
 
 def _pp(values: list[float]) -> str:
@@ -323,9 +346,9 @@ def plot(study: Study, results: list[ArmResult], path: Path) -> bool:
     series: dict[tuple[str, str], list[tuple[float, list[float]]]] = defaultdict(list)
     for _label, arm, metric, step in _rows_spec(study, results):
         pts = points(results, arm, metric, step)
-        if not pts or arm in gradient:
+        if not pts:
             continue
-        name = arms[arm].series or arm
+        name = arms[arm].series or arms[arm].label or arm
         what = (
             "best member"
             if metric == BEST
@@ -413,6 +436,15 @@ def render(
         *_matched_table(study, results),
         "",
     ]
+    grad = _gradient_table(study, results)
+    if grad:
+        L += [
+            "The gradient baselines by themselves, at fixed budgets (test accuracy when the run "
+            "had spent that many forward tokens):",
+            "",
+            *grad,
+            "",
+        ]
     if plot(study, results, assets / "accuracy-vs-tokens.png"):
         L += [
             f"![accuracy against forward tokens]({_rel_to(assets / 'accuracy-vs-tokens.png', report_path)})",
