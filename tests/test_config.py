@@ -120,3 +120,19 @@ def test_config_import_skips_transformers_and_peft():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_switching_the_algorithm_kind_drops_the_other_kinds_fields():
+    """`--set algorithm.kind=dpo` on the gossip config (as docs/dpo.md shows) drops its graph
+    fields; a field the new kind lacks, given explicitly, is still an error."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "configs/gossip-dpo.yaml", ["algorithm.kind=dpo"])
+    assert cfg.algorithm.kind == "dpo" and not hasattr(cfg.algorithm, "topology")
+    with pytest.raises(ConfigError, match="topology"):
+        load_config(
+            root / "configs/gossip-dpo.yaml", ["algorithm.kind=dpo", "algorithm.topology=ring"]
+        )
+    with pytest.raises(ConfigError, match="topology"):  # no kind override: nothing is dropped
+        load_config(root / "configs/gossip-dpo.yaml", ["algorithm.topology=moon"])

@@ -6,6 +6,7 @@ Configs are validated once here and never passed into `ftis.core` math.
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +28,8 @@ from ftis.exchange.wire import check_logprob_format
 from ftis.models.config import ModelConfig
 from ftis.tasks import ArithmeticTaskConfig, TaskConfig
 from ftis.warmstart_config import WarmStartConfig
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
 
@@ -371,6 +374,30 @@ def format_validation_error(
     return header + sep.join(lines)
 
 
+def _drop_other_kinds_fields(data: dict[str, Any], overrides: list[str]) -> None:
+    """`--set algorithm.kind=K` switches a file's algorithm to kind K: the file's `algorithm`
+    fields that K's config does not have (e.g. gossip-dpo's `topology` under `dpo`) are dropped,
+    and logged. Fields given by an override are kept, so a wrong one still fails validation."""
+    keys = [o.split("=", 1)[0].strip() for o in overrides if "=" in o]
+    algo = data.get("algorithm")
+    if "algorithm.kind" not in keys or not isinstance(algo, dict):
+        return
+    try:
+        fields = get_algorithm(str(algo.get("kind", "ftis"))).config.model_fields
+    except ValueError:
+        return  # an unknown kind: validation says so
+    mine = {k.split(".")[1] for k in keys if k.startswith("algorithm.") and k.count(".") >= 1}
+    dropped = sorted(k for k in algo if k not in fields and k not in mine)
+    for k in dropped:
+        del algo[k]
+    if dropped:
+        log.info(
+            "algorithm.kind=%s: dropped the config's fields that kind does not have: %s",
+            algo.get("kind"),
+            ", ".join(dropped),
+        )
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read YAML (the embedded default when path is None), apply overrides, validate."""
     src = Path(path) if path is not None else DEFAULT_CONFIG
@@ -383,6 +410,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(src)!r} must hold a mapping at the top level")
     data = apply_overrides(data, overrides or [])
+    _drop_other_kinds_fields(data, overrides or [])
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
