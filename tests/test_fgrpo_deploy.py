@@ -26,12 +26,12 @@ pytest.importorskip("flwr")
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
+from ftis.algos.federated.inprocess import InProcessGrid
 from ftis.algos.fgrpo.deploy import (
     DeploySettings,
     deployed_client_app,
     deployed_server_app,
 )
-from ftis.algos.fgrpo.inprocess import InProcessGrid
 from ftis.config import ConfigError, load_config
 from ftis.train.metrics import read_metrics
 from tests.test_fgrpo import fgrpo_run_config

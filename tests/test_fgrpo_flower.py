@@ -27,11 +27,11 @@ from flwr.app import (
 )
 from flwr.supercore.task_identity import TaskIdentity
 
+from ftis.algos.federated.faults import FaultPlan, corrupt
+from ftis.algos.federated.inprocess import run_in_process
+from ftis.algos.federated.records import array_record, metric_record
 from ftis.algos.fgrpo.aggregator import Aggregator
-from ftis.algos.fgrpo.faults import FaultPlan, corrupt
-from ftis.algos.fgrpo.inprocess import run_in_process
 from ftis.algos.fgrpo.launch import run_federated
-from ftis.algos.fgrpo.records import array_record, metric_record
 from ftis.algos.fgrpo.strategy import FGRPOStrategy
 from ftis.config import RunConfig
 from ftis.report import write_report

@@ -295,7 +295,7 @@ def test_tiny_study_end_to_end(tmp_path, monkeypatch) -> None:
     federated run takes Flower's in-process engine instead of Ray (the same ServerApp,
     strategy and ClientApp), to run in seconds."""
     import ftis.algos.fgrpo.launch as launch
-    from ftis.algos.fgrpo.inprocess import run_in_process
+    from ftis.algos.federated.inprocess import run_in_process
 
     monkeypatch.setattr(
         launch, "run_federated", functools.partial(launch.run_federated, engine=run_in_process)

@@ -180,8 +180,8 @@ _register_fgrpo()
 
 
 def _register_dpo() -> None:
-    # DPO alone, and DecDPO: the same local DPO steps, then gossip with the graph's neighbours.
-    from ftis.algos.dpo.config import DPOConfig, GossipDPOConfig
+    # DPO alone; DecDPO: the same local DPO steps, then gossip with the graph's neighbours.
+    from ftis.algos.dpo.config import DPOConfig, FedDPOConfig, GossipDPOConfig
 
     register_algorithm(
         "dpo", DPOConfig, "ftis.algos.dpo.algorithm:DPOAlgorithm", report=_DPO_REPORT
@@ -190,6 +190,15 @@ def _register_dpo() -> None:
         "gossip-dpo",
         GossipDPOConfig,
         "ftis.algos.dpo.algorithm:GossipDPOAlgorithm",
+        report=_DPO_REPORT,
+    )
+    # FedDPO: the same local steps on Flower clients, averaged by a server (and its
+    # centralized baseline); it runs the whole run itself.
+    register_algorithm(
+        "fed-dpo",
+        FedDPOConfig,
+        "ftis.algos.federated.launch:not_a_node",
+        launcher="ftis.algos.dpo.fed:run_fed_dpo",
         report=_DPO_REPORT,
     )
 

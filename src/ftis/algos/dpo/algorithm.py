@@ -26,11 +26,8 @@ from typing import Any
 import torch
 
 from ftis.algos.base import NodeContext
-from ftis.algos.dpo.data import agent_pairs
+from ftis.algos.dpo.data import tokenized_agent_pairs
 from ftis.algos.dpo.local import LocalDPO, Reference
-from ftis.preferences.tokens import tokenize_pairs
-from ftis.rollout.sampler import decode_completions, sample
-from ftis.tasks.base import Problem
 from ftis.train.checkpoint import CheckpointError
 from ftis.train.evaluate import evaluate
 from ftis.train.seeds import eval_seed
@@ -66,10 +63,9 @@ class DPOAlgorithm:
         self.reference = self._reference()
         self.reference_digest = self.reference.digest()
         with self.timer("data"):
-            train, heldout = agent_pairs(ctx.cfg, ctx.rank, answer=self._greedy_answers)
-            lengths = {"max_length": d.max_length, "max_prompt_length": d.max_prompt_length}
-            self.train_pairs = tokenize_pairs(train, tok, **lengths)
-            self.heldout = tokenize_pairs(heldout, tok, **lengths)
+            self.train_pairs, self.heldout = tokenized_agent_pairs(
+                ctx.cfg, ctx.rank, tok, reference=self.reference, task=ctx.task
+            )
         self.local = LocalDPO(
             ctx.node.model,
             ctx.node.optimizer,
@@ -101,28 +97,6 @@ class DPOAlgorithm:
             return Reference.frozen_copy(model)
         ref = Reference.frozen_copy(_starting_model(self.ctx))  # resume: rebuild, then check
         return ref
-
-    @torch.no_grad()
-    def _greedy_answers(self, problems: list[Problem]) -> list[str]:
-        """The reference's (starting model's) greedy completions: the embedded mistake kind
-        `own`. Deterministic, so a resumed run rebuilds the same pairs."""
-        tok, task = self.node.tokenizer, self.ctx.task
-        out: list[str] = []
-        size = self.cfg.eval.batch_size
-        with self.reference.active():
-            for start in range(0, len(problems), size):
-                chunk = problems[start : start + size]
-                s = sample(
-                    self.reference.model,
-                    [task.prompt_ids(p, tok) for p in chunk],
-                    num_samples=1,
-                    max_new_tokens=self.cfg.train.max_new_tokens,
-                    eos_id=tok.eos_token_id,
-                    pad_id=tok.pad_token_id,
-                    temperature=0.0,
-                )
-                out += decode_completions(tok, s.completion_ids, s.lengths)
-        return out
 
     # ------------------------------------------------------------------ the shell's protocol
 

@@ -5,6 +5,8 @@ no model code and no torch.distributed.
                        pairs, alone (several nodes = each agent alone, the no-communication baseline)
     kind: gossip-dpo   the same local steps, then one gossip step with the node's neighbours on a
                        graph: theta_i <- sum_j W_ij theta_j (Metropolis-Hastings weights)
+    kind: fed-dpo      the same local steps on a sample of clients from a global model, averaged
+                       by a server on Flower (FedDPO); `centralized: true` = the union baseline
 
 A row's `step` is the round (`train.steps` rounds). `train.seed` orders each agent's batches;
 `train.max_new_tokens` bounds the greedy answers of the task evaluation (`eval.*`).
@@ -18,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ftis.algos import AlgorithmConfig
+from ftis.algos.federated.config import SERVER_NAME, SimulationConfig, check_federated_run
 
 DEFAULT_CORRUPTIONS = {"own": 1.0}
 PREFERENCE_FORMATS = ("ftis", "hh-rlhf", "shp")
@@ -298,3 +301,72 @@ class GossipDPOConfig(DPOConfig):
                     )
             out.append((pair[0], pair[1]))
         return out
+
+
+class FedDPOConfig(DPOConfig):
+    """Federated DPO (FedDPO, methods-wave2.md §2, docs/dpo.md "FedDPO") on Flower: the run's
+    nodes are the clients, each with its own preference pairs (`data`, as gossip-dpo); one
+    global model on a server. Each round the server samples `clients_per_round` clients; each
+    runs `local_steps` DPO steps from the global model (or, with `max_staleness` > 0, from an
+    older one the server still holds) and returns its delta and its number of training pairs;
+    the server averages the clients' models with `weighting`. `centralized: true` is the
+    baseline: one model on the union of the clients' pairs, no Flower."""
+
+    kind: Literal["fed-dpo"] = "fed-dpo"  # type: ignore[assignment]
+    clients_per_round: int = Field(
+        0,
+        ge=0,
+        description="S: clients sampled per round (seeded by train.seed and the round); 0 = all.",
+    )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="q_max: the oldest global model a client may start from, in rounds behind "
+        "the current one; the server keeps the last q_max + 1 global models. 0 = plain FedAvg.",
+    )
+    staleness: Literal["last-participation", "random"] = Field(
+        "last-participation",
+        description="How a client's delay d is decided (max_staleness > 0): last-participation "
+        "= it starts from the global model of the start of its last round taken part in (the "
+        "initial model if none), refreshed to the current model when that is more than "
+        "max_staleness rounds old; random = a seeded d in [0, max_staleness] per participation.",
+    )
+    weighting: Literal["uniform", "data-size"] = Field(
+        "uniform",
+        description="Client weights in the average: uniform (1/K, the authors' code) or "
+        "data-size (n_k / sum n, n_k = the client's training pairs: FedAvg).",
+    )
+    server_update: Literal["average", "delta"] = Field(
+        "average",
+        description="average: theta <- sum_k w_k theta_k, the clients' returned models (the "
+        "spec; a stale client pulls theta back towards its old model); delta: theta <- theta + "
+        "sum_k w_k (theta_k - its start), delayed updates applied to the current model. The "
+        "same without staleness.",
+    )
+    centralized: bool = Field(
+        False,
+        description="The centralized baseline: one model trained on the union of the clients' "
+        "pairs (batch_size x clients pairs per step, local_steps steps per round, one optimizer "
+        "for the run), evaluated on each client's held-out pairs; runs in this process, no "
+        "Flower.",
+    )
+    simulation: SimulationConfig = Field(default_factory=SimulationConfig)
+
+    def service_ranks(self, run: Any) -> list[str]:
+        return [SERVER_NAME]
+
+    def check_run(self, run: Any) -> None:
+        check_federated_run(
+            run,
+            kind="fed-dpo",
+            clients_per_round=self.clients_per_round,
+            simulation=self.simulation,
+        )
+        super().check_run(run)
+        n = len(run.nodes)
+        if self.centralized and (0 < self.clients_per_round < n or self.max_staleness > 0):
+            raise ValueError(
+                "algorithm.centralized trains one model on the union of every client's pairs: "
+                "clients_per_round and max_staleness do not apply; set clients_per_round: 0 "
+                "and max_staleness: 0 (or centralized: false)"
+            )

@@ -15,12 +15,17 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ftis.config import RunConfig
 from ftis.preferences.data import PreferencePair, read_pairs
 from ftis.preferences.embedded import heldout_problems, pairs_for, train_problems
 from ftis.tasks import build_task
-from ftis.tasks.base import Problem, TaskDataError
+from ftis.tasks.base import Problem, Task, TaskDataError
+
+if TYPE_CHECKING:
+    from ftis.algos.dpo.local import Reference
+    from ftis.preferences.tokens import TokenizedPairs
 
 
 def agent_pairs(
@@ -82,3 +87,70 @@ def _shuffled(n: int, seed: int, key: str | None) -> list[int]:
     order = list(range(n))
     random.Random(int.from_bytes(digest, "little")).shuffle(order)
     return order
+
+
+def greedy_answers(
+    reference: Reference,
+    tokenizer: Any,
+    task: Task,
+    problems: list[Problem],
+    *,
+    batch_size: int,
+    max_new_tokens: int,
+) -> list[str]:
+    """The reference's (starting model's) greedy completions of `problems`: the embedded mistake
+    kind `own`. Deterministic, so a resumed run (or another worker) rebuilds the same pairs."""
+    import torch
+
+    from ftis.rollout.sampler import decode_completions, sample
+
+    out: list[str] = []
+    with torch.no_grad(), reference.active():
+        for start in range(0, len(problems), batch_size):
+            chunk = problems[start : start + batch_size]
+            s = sample(
+                reference.model,
+                [task.prompt_ids(p, tokenizer) for p in chunk],
+                num_samples=1,
+                max_new_tokens=max_new_tokens,
+                eos_id=tokenizer.eos_token_id,
+                pad_id=tokenizer.pad_token_id,
+                temperature=0.0,
+            )
+            out += decode_completions(tokenizer, s.completion_ids, s.lengths)
+    return out
+
+
+def tokenized_agent_pairs(
+    cfg: RunConfig, rank: int, tokenizer: Any, *, reference: Reference, task: Task
+) -> tuple[TokenizedPairs, TokenizedPairs]:
+    """Node `rank`'s (training, held-out) pairs as token ids: `agent_pairs` with the mistakes of
+    kind `own` answered greedily by `reference` on `task`'s prompts, cut to the data section's
+    lengths."""
+    from ftis.preferences.tokens import tokenize_pairs
+
+    d = cfg.algorithm.data
+
+    def answer(problems: list[Problem]) -> list[str]:
+        return greedy_answers(
+            reference,
+            tokenizer,
+            task,
+            problems,
+            batch_size=cfg.eval.batch_size,
+            max_new_tokens=cfg.train.max_new_tokens,
+        )
+
+    train, heldout = agent_pairs(cfg, rank, answer=answer)
+    lengths = {"max_length": d.max_length, "max_prompt_length": d.max_prompt_length}
+    return tokenize_pairs(train, tokenizer, **lengths), tokenize_pairs(
+        heldout, tokenizer, **lengths
+    )
+
+
+def agent_task(cfg: RunConfig, rank: int) -> Task:
+    """Node `rank`'s own task: the run's task with its `data.agents.<name>.task` overrides (the
+    prompts its embedded preferences are about)."""
+    agent = cfg.algorithm.data.agents.get(cfg.nodes[rank].name)
+    overrides = agent.task if agent is not None else {}
+    return build_task({**cfg.task.model_dump(), **overrides})

@@ -29,8 +29,9 @@ def report_section(rows: list[dict[str, Any]], run_dir: Path) -> list[str]:
         _, loss = _series(rows, n, "eval/dpo_loss")
         if not acc:
             continue
+        label = "server (union of the clients' pairs)" if n == "server" else n
         lines.append(
-            f"| {n} | {100 * acc[0]:.1f}% -> {100 * acc[-1]:.1f}% | "
+            f"| {label} | {100 * acc[0]:.1f}% -> {100 * acc[-1]:.1f}% | "
             f"{100 * racc[-1]:.1f}% | {loss[-1]:.3f} |"
         )
     lines += [
@@ -40,6 +41,7 @@ def report_section(rows: list[dict[str, Any]], run_dir: Path) -> list[str]:
         "margin against the frozen reference (0 at step 0 by construction).",
         "",
     ]
+    lines += _federated_lines(rows)
     rho = [r["gossip/rho_full"] for r in rows if r.get("gossip/rho_full") is not None]
     if rho:
         live = [r for r in rows if r.get("gossip/rho") is not None]
@@ -58,6 +60,29 @@ def report_section(rows: list[dict[str, Any]], run_dir: Path) -> list[str]:
     if _plot(rows, nodes, Path(run_dir) / "dpo.png"):
         lines += ["![dpo](dpo.png)", ""]
     return lines
+
+
+def _federated_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """FedDPO's server figures: participation, staleness, rejected and dropped replies."""
+    server = sorted(
+        (r for r in rows if r.get("node") == "server" and r.get("step", 0) > 0),
+        key=lambda r: r["step"],
+    )
+    if any(r.get("fed/centralized") for r in server):
+        return ["Centralized DPO on the union of the clients' pairs (no server rounds).", ""]
+    fed = [r for r in server if r.get("fed/sampled") is not None]
+    if not fed:
+        return []
+    mean = lambda key: sum(r.get(key, 0.0) for r in fed) / len(fed)  # noqa: E731
+    last = fed[-1]
+    return [
+        f"FedDPO: {len(fed)} rounds, {mean('fed/sampled'):.1f} clients sampled and "
+        f"{mean('fed/participants'):.1f} averaged per round on average, mean staleness "
+        f"{mean('fed/staleness_mean'):.2f} rounds; {last.get('fed/rejected_total', 0):.0f} "
+        f"replies rejected, {last.get('fed/dropped_total', 0):.0f} dropped, "
+        f"{last.get('fed/lost_clients', 0):.0f} clients lost at the end.",
+        "",
+    ]
 
 
 def _plot(rows: list[dict[str, Any]], nodes: list[str], path: Path) -> bool:

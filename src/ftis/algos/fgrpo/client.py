@@ -29,6 +29,12 @@ from typing import Any
 
 import torch
 
+from ftis.algos.federated.params import (  # noqa: F401  (trainable_params: re-exported)
+    COUNT_KEY,
+    PERF_KEY,
+    load_params,
+    trainable_params,
+)
 from ftis.algos.fgrpo.config import FGRPOConfig
 from ftis.config import EvalConfig, NodeConfig, RunConfig, TrainConfig
 from ftis.rollout.types import RolloutBatch
@@ -45,33 +51,6 @@ from ftis.train.update import mean_step_metrics, train_on_round
 
 # Per-local-step figures that a round's row reports as totals rather than means.
 SUMMED = ("train/optimizer_steps", "train/skipped_update", "train/generated_tokens")
-
-
-# ---- parameters ----------------------------------------------------------------------------
-
-
-def trainable_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters that train (every weight, or LoRA adapters only), detached CPU copies."""
-    return {
-        name: p.detach().to("cpu", copy=True)
-        for name, p in model.named_parameters()
-        if p.requires_grad
-    }
-
-
-def load_params(model: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> None:
-    """Copy `params` into the model's trainable parameters (same names and shapes, or
-    ValueError)."""
-    own = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    if set(own) != set(params):
-        diff = sorted(set(own) ^ set(params))
-        raise ValueError(f"parameters differ from the model's trainable ones: {diff[:5]}")
-    with torch.no_grad():
-        for name, p in own.items():
-            src = params[name]
-            if tuple(src.shape) != tuple(p.shape):
-                raise ValueError(f"parameter {name!r}: {tuple(src.shape)} vs {tuple(p.shape)}")
-            p.copy_(src.to(device=p.device, dtype=p.dtype))
 
 
 # ---- the client's data ---------------------------------------------------------------------
@@ -208,6 +187,15 @@ class LocalClient:
         metrics["train/local_seconds"] = time.perf_counter() - t0
         metrics["fgrpo/performance"] = performance
         return RoundResult(delta, performance, num_examples, metrics)
+
+    def fit(
+        self, params: Mapping[str, torch.Tensor], round_: int, config: Mapping[str, Any]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+        """The ClientApp's train call: (delta, reply metrics with the performance signal and
+        sample count, the state kept in the client's checkpoint)."""
+        result = self.train_round(params, round_)
+        metrics = {**result.metrics, PERF_KEY: result.performance, COUNT_KEY: result.num_examples}
+        return result.delta, metrics, {"performance": result.performance}
 
     def _local_step(self, step: int) -> tuple[RolloutBatch, torch.Tensor, dict[str, float]]:
         tc = self.train_cfg

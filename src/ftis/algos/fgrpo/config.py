@@ -14,9 +14,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ftis.algos import AlgorithmConfig, check_one_shared_model
+from ftis.algos import AlgorithmConfig
+from ftis.algos.federated.config import SERVER_NAME, SimulationConfig, check_federated_run
 
-SERVER_NAME = "server"  # the server's rows (`node: server`) and checkpoints (nodes/server/)
+__all__ = ["SERVER_NAME", "ClientSpec", "FGRPOConfig", "SimulationConfig"]
 
 
 class ClientSpec(BaseModel):
@@ -41,26 +42,6 @@ class ClientSpec(BaseModel):
         description="Prompts per local step for this client (its data size per round, which "
         "FedAvg weights by); null = train.prompts_per_step.",
     )
-
-
-class SimulationConfig(BaseModel):
-    """Flower's simulation engine (Ray) on this machine."""
-
-    model_config = ConfigDict(extra="forbid")
-    num_cpus: int = Field(2, ge=1, description="CPUs Ray may use for the clients.")
-    client_cpus: float = Field(
-        1.0, gt=0, description="CPUs per client: num_cpus / client_cpus clients run at once."
-    )
-    client_gpus: float = Field(
-        0.0, ge=0, description="GPU share per client (0 = clients train on the CPU)."
-    )
-    round_timeout_s: float = Field(
-        3600.0,
-        gt=0,
-        description="Seconds the server waits for a round's replies; a client that has not "
-        "replied by then counts as dropped for that round.",
-    )
-    verbose: bool = Field(False, description="Show Flower's and Ray's own logs.")
 
 
 class FGRPOConfig(AlgorithmConfig):
@@ -163,27 +144,17 @@ class FGRPOConfig(AlgorithmConfig):
         from ftis.tasks import TaskConfig
 
         names = [n.name for n in run.nodes]
-        if SERVER_NAME in names:
-            raise ValueError(
-                f"a node is named {SERVER_NAME!r}, the name of the federated server's rows and "
-                "checkpoints; rename it"
-            )
+        check_federated_run(
+            run,
+            kind="fgrpo",
+            clients_per_round=self.clients_per_round,
+            simulation=self.simulation,
+        )
         unknown = sorted(set(self.clients) - set(names))
         if unknown:
             raise ValueError(
                 f"algorithm.clients names unknown nodes {unknown}; use node names "
                 f"({', '.join(names)})"
-            )
-        if self.clients_per_round > len(names):
-            raise ValueError(
-                f"algorithm.clients_per_round={self.clients_per_round} exceeds the "
-                f"{len(names)} clients (nodes); lower it, or 0 for all"
-            )
-        check_one_shared_model(run, "federated clients train one shared model")
-        if run.testing.adversary:
-            raise ValueError(
-                "testing.adversary corrupts rollouts, which fgrpo clients never send; remove it "
-                "(tests inject faulty clients through ftis.algos.fgrpo.faults)"
             )
         for name in names:
             try:
@@ -195,9 +166,3 @@ class FGRPOConfig(AlgorithmConfig):
                     f"algorithm.clients.{name}.task: {where}: "
                     f"{first_err['msg'].removeprefix('Value error, ')}"
                 ) from None
-        cpus_per_client = self.simulation.client_cpus
-        if cpus_per_client > self.simulation.num_cpus:
-            raise ValueError(
-                f"algorithm.simulation.client_cpus={cpus_per_client} exceeds num_cpus="
-                f"{self.simulation.num_cpus}: no client could run; lower client_cpus"
-            )

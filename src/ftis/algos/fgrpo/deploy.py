@@ -48,7 +48,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from ftis.algos.fgrpo.identity import identify_reply
+from ftis.algos.federated.identity import identify_reply
 from ftis.config import ConfigError, RunConfig, load_config
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """Which client a Flower node runs, and its answer to the server's identify query (the stable
-name baselines, rows and checkpoints are keyed by). No model code here: a deployed node answers
+name server state, rows and checkpoints are keyed by). No model code here: a deployed node answers
 the query in a fresh process, which then need not import transformers.
 
     simulation   node i gets `partition-id` i from Flower: client cfg.nodes[i]
@@ -12,7 +12,7 @@ from typing import Any
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
-from ftis.algos.fgrpo.records import CLIENT_KEY, CONFIG
+from ftis.algos.federated.records import CLIENT_KEY, CONFIG
 from ftis.config import RunConfig
 
 PARTITION_KEY = "partition-id"  # Flower's simulation gives node i partition i: client cfg.nodes[i]
@@ -37,7 +37,7 @@ def client_rank(cfg: RunConfig, context: Context) -> int:
         raise RuntimeError(
             f"this Flower node has neither {CLIENT_NODE_KEY!r} nor {PARTITION_KEY!r} in its node "
             f"config: start a deployed SuperNode with --node-config \"{CLIENT_NODE_KEY}='NAME'\" "
-            "(NAME one of the run's clients), or run FGRPO through ftis (Flower's simulation "
+            "(NAME one of the run's clients), or run it through ftis (Flower's simulation "
             "engine), which gives node i the client cfg.nodes[i]"
         ) from None
     if not 0 <= rank < len(cfg.nodes):

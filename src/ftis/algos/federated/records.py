@@ -1,14 +1,14 @@
-"""Flower records <-> ftis tensors and metrics, for both sides of FGRPO's messages.
+"""Flower records <-> ftis tensors and metrics, for both sides of a federated run's messages.
 
 Messages (content keys):
     query "identify"   server -> client {config: {query}}; reply {config: {client: name}}
-    train              server -> client {arrays: theta, config: {fgrpo-round}};
-                       reply {arrays: delta, metrics: {performance, num-examples, <row metrics>},
-                              config: {client: name}}
-    evaluate           server -> client {arrays: theta, config: {fgrpo-round}};
+    train              server -> client {arrays: theta, config: {round, <the algorithm's keys>}};
+                       reply {arrays: delta, metrics: {num-examples, <the algorithm's keys, e.g.
+                              FGRPO's performance>, <row metrics>}, config: {client: name}}
+    evaluate           server -> client {arrays: theta, config: {round}};
                        reply {metrics: {eval/...}, config: {client: name}}
 Arrays travel as float32 .npy (Flower's ArrayRecord; no pickle). Importing this module imports
-flwr after `ftis.algos.fgrpo` (its package) has switched telemetry off.
+flwr after `ftis.algos.federated` (its package) has switched telemetry off.
 """
 
 from __future__ import annotations
@@ -20,14 +20,17 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 
+from ftis.algos.federated.params import (  # noqa: F401  (the message keys, re-exported)
+    ARRAYS,
+    CLIENT_KEY,
+    CONFIG,
+    COUNT_KEY,
+    METRICS,
+    PERF_KEY,
+    ROUND_KEY,
+)
 from ftis.exchange.deltas import check_delta
 from ftis.exchange.wire import PayloadError
-
-ARRAYS, METRICS, CONFIG = "arrays", "metrics", "config"
-ROUND_KEY = "fgrpo-round"
-CLIENT_KEY = "client"
-PERF_KEY = "performance"
-COUNT_KEY = "num-examples"
 
 
 def to_numpy(tensors: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:

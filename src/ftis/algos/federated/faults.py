@@ -1,6 +1,7 @@
 """Fault injection for tests and research only (docs/style.md principle 17): faulty clients are
-injected by a test, through `run_federated(..., faults=FaultPlan(...))` or
-`make_client_app(..., faults=...)`, never through a user-facing config field.
+injected by a test, through `run_federated(..., faults=FaultPlan(...))` (FGRPO),
+`run_fed_dpo(..., faults=...)` (FedDPO) or `make_client_app(..., faults=...)`, never through a
+user-facing config field.
 
 A fault replaces what an honest client would send in one round:
 
@@ -8,7 +9,8 @@ A fault replaces what an honest client would send in one round:
     wrong-shape       one delta tensor has an extra row
     wrong-name        one delta tensor is renamed
     int-delta         one delta tensor is an integer array
-    nan-performance   the performance signal is NaN
+    nan-performance   the performance signal is NaN (FGRPO)
+    bad-count         the sample count (num-examples) is -1
     drop              the client fails the round (its ClientApp raises: Flower replies an error)
 
 Each must be rejected by the server for that round (or counted as dropped), never aggregated.
@@ -28,6 +30,7 @@ FAULT_KINDS = (
     "wrong-name",
     "int-delta",
     "nan-performance",
+    "bad-count",
     "drop",
 )
 
@@ -70,5 +73,7 @@ def corrupt(kind: str, arrays: dict[str, np.ndarray], metrics: dict[str, Any]) -
         arrays[name] = arrays[name].astype(np.int64)
     elif kind == "nan-performance":
         metrics["performance"] = float("nan")
+    elif kind == "bad-count":
+        metrics["num-examples"] = -1
     else:
         raise ValueError(f"unknown fault kind {kind!r}")

@@ -2,13 +2,14 @@
 narrow interface, an in-process implementation for tests).
 
 `run_in_process(server_app, client_app, num_supernodes)` runs the very same ServerApp (and so
-`FGRPOStrategy.start`, Flower's round loop) and ClientApp, but delivers each message by calling
+the strategy's `start`, Flower's round loop) and ClientApp, but delivers each message by calling
 the ClientApp in this process instead of a Ray worker: no Ray start-up, so a test runs a few
 rounds in seconds. As in Flower, node i gets `partition-id` i, an exception in the ClientApp
 becomes an error reply, and a Context per node persists across messages.
 
-`ftis run` always uses Flower's simulation engine (`ftis.algos.fgrpo.launch`); this engine is
-passed to `run_federated(..., engine=run_in_process)` by tests only.
+`ftis run` always uses Flower's simulation engine (`ftis.algos.federated.launch`); this engine
+is passed to `run_federated(..., engine=run_in_process)` (and FedDPO's `run_fed_dpo`) by tests
+only.
 """
 
 from __future__ import annotations

@@ -1,0 +1,337 @@
+"""A federated run through Flower's simulation engine (Ray) on this machine, whichever the
+algorithm (`run_flower`), and the pieces any server-side run shares (`server_setup`).
+
+    base model   the shared warm start, once, here (cached); clients read it from disk
+    server       the global model (nodes/server/), resumed from its newest checkpoint
+    simulation   flwr.simulation.run_simulation(ServerApp, ClientApp, one node per client),
+                 Ray limited to `algorithm.simulation.num_cpus` CPUs, `client_cpus` per client
+    rows         metrics.jsonl: one row per client per round, one `server` row per round
+
+`ftis run` reaches this through the algorithm registry (`launcher=`), not ftis's own launcher:
+`ftis.algos.fgrpo.launch.run_federated` and `ftis.algos.dpo.fed.run_fed_dpo` call it. Ctrl-C /
+SIGTERM: the round in flight finishes, the server checkpoints it, the remaining rounds are
+skipped and KeyboardInterrupt is raised (the CLI then says how to resume).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ftis.algos.federated.config import SERVER_NAME
+from ftis.config import RunConfig
+from ftis.launch.multi import MultiResult
+from ftis.train.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
+from ftis.train.metrics import MetricLogger, truncate_rows
+from ftis.train.node import Node, build_node
+from ftis.train.seeds import node_seed
+
+log = logging.getLogger(__name__)
+
+# engine(server_app=, client_app=, num_supernodes=, backend_config=, verbose_logging=):
+# flwr.simulation.run_simulation's signature.
+Engine = Callable[..., None]
+NOISY_LOGGERS = ("flwr", "ray")
+
+
+def not_a_node(ctx: Any) -> Any:
+    """The registry's per-node factory: federated clients run inside Flower, not ftis's node
+    shell."""
+    raise RuntimeError(
+        f"algorithm {ctx.cfg.algorithm.kind} runs through Flower's simulation engine: start it "
+        "with `ftis run` or ftis.launch.run_local (which call its registered launcher), not "
+        "train_node"
+    )
+
+
+def base_model(cfg: RunConfig, progress: Any = None) -> Path | None:
+    """The shared base model's directory (the warm start, trained once and cached), or None
+    when the clients' model needs no warm start."""
+    node = cfg.nodes[0]
+    if node.warm_start is None:
+        return None
+    from ftis.warmstart import warm_start
+
+    return warm_start(node.model, node.warm_start, cfg.task, progress=progress)
+
+
+def server_node(cfg: RunConfig, base_dir: Path | None) -> Node:
+    """The global model: the clients' model config (on the CPU), named "server"."""
+    node_cfg = cfg.nodes[0]
+    model = node_cfg.model.model_copy(update={"device": "cpu"})
+    if base_dir is not None:
+        model = model.model_copy(update={"path": str(base_dir), "preset": None})
+    node_cfg = node_cfg.model_copy(update={"name": SERVER_NAME, "model": model, "warm_start": None})
+    return build_node(node_cfg, rank=len(cfg.nodes), task_cfg=cfg.task)
+
+
+def server_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "nodes" / SERVER_NAME
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread here (warm start, server): the clients' Ray workers hold the cores, and
+    tiny models gain little from a second thread while spinning threads on a busy machine cost
+    up to 10x (measured)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@dataclass
+class ServerSetup:
+    """What `server_setup` prepared: the shared base model (`base_dir`, None without warm
+    start), the server's Node (`server`, its weights and optimizer restored on resume), the
+    first round to run, the algorithm state of the resumed checkpoint ({} for a fresh run),
+    one MetricLogger per client and one for the server."""
+
+    cfg: RunConfig
+    run_dir: Path
+    label: str
+    bar: Progress
+    base_dir: Path | None
+    server: Node
+    first_round: int
+    state: dict[str, Any]
+    loggers: dict[str, MetricLogger]
+    rounds_task: Any
+    info_key: str = "eval/accuracy"
+
+    def save(self, round_: int, params: Mapping[str, Any] | None, state: dict[str, Any]) -> None:
+        """Checkpoint the server (nodes/server/): `params` (the global trainable parameters;
+        None: the server model as it is) as its model, `state` as the algorithm's state."""
+        from ftis.algos.federated.params import load_params
+
+        if params is not None:
+            load_params(self.server.model, params)
+        save_checkpoint(
+            self.server,
+            server_dir(self.run_dir),
+            round_,
+            keep=self.cfg.checkpoint.keep,
+            algorithm_state=state,
+        )
+
+    def progress(self, round_: int, total: int, row: dict[str, float]) -> None:
+        value = row.get(self.info_key)
+        info = (
+            f"union {self.info_key.split('/')[-1]} {100 * value:.1f}%" if value is not None else ""
+        )
+        self.bar.update(self.rounds_task, completed=round_, info=info)
+
+
+@contextlib.contextmanager
+def server_setup(
+    cfg: RunConfig,
+    run_dir: Path,
+    *,
+    label: str,
+    console: Console | None = None,
+    resume: bool = False,
+    info_key: str = "eval/accuracy",
+) -> Iterator[ServerSetup]:
+    """Progress bar, shared warm start, the server's Node, resume (the newest server
+    checkpoint; every row after it is dropped), row loggers (closed on exit)."""
+    import torch
+
+    names = [n.name for n in cfg.nodes]
+    columns = [
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"),
+    ]
+    with Progress(*columns, console=console, disable=not cfg.log.progress) as bar:
+        warm = None
+
+        def warm_progress(step: int, total: int, loss: float) -> None:
+            nonlocal warm
+            if warm is None:
+                warm = bar.add_task("base model warm start", total=total, info="")
+            bar.update(warm, completed=step, info=f"loss {loss:.3f}")
+
+        base_dir = base_model(cfg, warm_progress)
+        # Seeded here, after the warm start (which seeds torch itself only on a cache miss):
+        # LoRA adapters of the initial global model are the same whether the cache was warm.
+        torch.manual_seed(node_seed(cfg.train.seed, len(names)))
+        server = server_node(cfg, base_dir)
+        first_round = 1
+        state: dict[str, Any] = {}
+        if resume:
+            found = load_latest_checkpoint(server, server_dir(run_dir))
+            if found is None:
+                raise CheckpointError(
+                    f"{server_dir(run_dir)} has no checkpoint to resume from: start the run "
+                    "again with --overwrite, or set checkpoint.every to save more often"
+                )
+            done = int(found[1]["step"])
+            state = found[1].get("algorithm", {})
+            first_round = done + 1
+            for name in [*names, SERVER_NAME]:
+                truncate_rows(run_dir / "metrics.jsonl", name, after_step=done)
+            log.info("%s: resumed the server from %s (round %d)", label, found[0], done)
+        rounds_task = bar.add_task(
+            f"{label} rounds", total=cfg.train.steps, completed=first_round - 1, info=""
+        )
+        loggers = {
+            n: MetricLogger(run_dir, n, tensorboard=cfg.log.tensorboard)
+            for n in [*names, SERVER_NAME]
+        }
+        try:
+            yield ServerSetup(
+                cfg=cfg,
+                run_dir=run_dir,
+                label=label,
+                bar=bar,
+                base_dir=base_dir,
+                server=server,
+                first_round=first_round,
+                state=state,
+                loggers=loggers,
+                rounds_task=rounds_task,
+                info_key=info_key,
+            )
+        finally:
+            for lg in loggers.values():
+                lg.close()
+
+
+# make_state(initial global trainable parameters, resumed algorithm state) -> the server state
+MakeState = Callable[[dict[str, Any], dict[str, Any]], Any]
+# make_strategy(server state, loggers=, checkpoint=, first_round=, resumed=, progress=,
+#               should_stop=) -> a FederatedStrategy
+MakeStrategy = Callable[..., Any]
+# make_client_app(base_dir, threads) -> the ClientApp
+MakeClientApp = Callable[[Path | None, int], Any]
+
+
+def run_flower(
+    cfg: RunConfig,
+    run_dir: Path,
+    *,
+    label: str,
+    make_state: MakeState,
+    make_strategy: MakeStrategy,
+    make_client_app: MakeClientApp,
+    console: Console | None = None,
+    resume: bool = False,
+    engine: Engine | None = None,
+    info_key: str = "eval/accuracy",
+) -> MultiResult:
+    """Run federated config `cfg` to the end under Flower's simulation engine (or `engine`, with
+    its signature: the in-process engine of tests, a deployed Grid), writing `run_dir`.
+    resume: continue from the server's newest checkpoint."""
+    from ftis.algos.federated.apps import make_server_app
+    from ftis.algos.federated.params import trainable_params
+    from ftis.train.loop import StopFlag
+
+    names = [n.name for n in cfg.nodes]
+    t0 = time.perf_counter()
+    with (
+        one_torch_thread(),
+        server_setup(
+            cfg, run_dir, label=label, console=console, resume=resume, info_key=info_key
+        ) as setup,
+    ):
+        state = make_state(trainable_params(setup.server.model), setup.state)
+
+        def checkpoint(round_: int, algorithm_state: dict[str, Any]) -> None:
+            setup.save(round_, state.params, algorithm_state)
+
+        stop = StopFlag()
+        strategy = make_strategy(
+            state,
+            loggers=setup.loggers,
+            checkpoint=checkpoint,
+            first_round=setup.first_round,
+            resumed=resume,
+            progress=setup.progress,
+            should_stop=stop,
+        )
+        sim = cfg.algorithm.simulation  # type: ignore[attr-defined]
+        t_sim = time.perf_counter()
+        remaining = cfg.train.steps - setup.first_round + 1
+        if remaining > 0 or not resume:
+            simulate(
+                cfg,
+                server_app=make_server_app(
+                    strategy, rounds=remaining, timeout_s=sim.round_timeout_s
+                ),
+                client_app=make_client_app(
+                    setup.base_dir, max(1, int(sim.client_cpus)) if engine is None else 0
+                ),
+                stop=stop,
+                engine=engine,
+            )
+    log.info(
+        "%s: rounds %d-%d in %.1fs (%.1fs with set-up)",
+        label,
+        setup.first_round,
+        strategy.last_round,
+        time.perf_counter() - t_sim,
+        time.perf_counter() - t0,
+    )
+    if strategy.last_round < cfg.train.steps:
+        raise KeyboardInterrupt  # stopped early, after the server's checkpoint
+    return MultiResult(exit_codes={n: 0 for n in [*names, SERVER_NAME]})
+
+
+@contextlib.contextmanager
+def _quiet(verbose: bool) -> Iterator[None]:
+    """Flower logs every round at INFO and every client failure with a traceback; the server
+    logs what matters (dropped and rejected clients) through ftis's logger instead."""
+    if verbose:
+        yield
+        return
+    saved = {name: logging.getLogger(name).level for name in NOISY_LOGGERS}
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def simulate(
+    cfg: RunConfig, *, server_app: Any, client_app: Any, stop: Any, engine: Engine | None
+) -> None:
+    """Flower's simulation engine (or `engine`) with Ray kept small and quiet."""
+    if engine is None:
+        from flwr.simulation import run_simulation as engine
+
+    sim = cfg.algorithm.simulation  # type: ignore[attr-defined]
+    backend_config = {
+        "client_resources": {"num_cpus": sim.client_cpus, "num_gpus": sim.client_gpus},
+        "init_args": {
+            "num_cpus": sim.num_cpus,
+            "include_dashboard": False,
+            "logging_level": logging.INFO if sim.verbose else logging.ERROR,
+            "log_to_driver": sim.verbose,
+        },
+    }
+    if sim.client_gpus == 0:  # else Ray finds the GPUs itself
+        backend_config["init_args"]["num_gpus"] = 0
+    with _quiet(sim.verbose), stop.installed():
+        engine(
+            server_app=server_app,
+            client_app=client_app,
+            num_supernodes=len(cfg.nodes),
+            backend_config=backend_config,
+            verbose_logging=sim.verbose,
+        )
