@@ -225,3 +225,52 @@ def test_tiny_arms_sweep_through_the_cli(tmp_path):
     assert "| gd-s0 | gd | 0 |" in (tmp_path / "tiny.md").read_text()
     res = runner.invoke(app, ["sweep", str(path), "--dry-run"])
     assert res.exit_code == 0 and "done" in res.output
+
+
+def test_dpo_document_numbers(tmp_path):
+    """Hand-written rows of a gossip arm and a FedDPO arm: the tables' averages over agents."""
+    spec = {
+        "kind": "arms",
+        "name": "dpo",
+        "out": str(tmp_path / "out"),
+        "report": str(tmp_path / "dpo.md"),
+        "results": "dpo",
+        "seeds": [0],
+        "set": ["train.steps=2", "eval.every=1"],
+        "arms": {
+            "ring": {"config": str(ROOT / "configs/gossip-dpo.yaml"), "label": "ring"},
+            "fed": {
+                "config": str(ROOT / "configs/fed-dpo.yaml"),
+                "label": "fed S1",
+                "set": ["algorithm.clients_per_round=1"],
+            },
+        },
+    }
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    study = load_arms_study(path)
+    for r in study.runs:
+        rows = []
+        for i, n in enumerate(n.name for n in r.config.nodes):
+            for step in (0, 1, 2):
+                row = {"step": step, "node": n, "eval/preference_accuracy": 0.1 * i + 0.3 * step}
+                row["eval/dpo_loss"] = 0.7 - 0.1 * step
+                if step:
+                    row["loss/dpo"] = 0.6 - 0.1 * step + 0.01 * i
+                    if r.arm == "ring":
+                        row["gossip/consensus_error_before"] = 0.01 * step
+                        row["gossip/consensus_error_after"] = 0.001 * step
+                if r.arm == "ring" and step == 0:
+                    row["gossip/rho_full"], row["gossip/spectral_gap_full"] = 1 / 3, 8 / 9
+                rows.append(row)
+        if r.arm == "fed":
+            rows += [{"step": s, "node": "server", "fed/staleness_mean": 0.0} for s in (1, 2)]
+        _write_run(tmp_path / "out" / r.id, r.config, rows)
+    text = write_arms_results(study).read_text()
+    # 4 agents at 0, 10, 20, 30% at round 0 (mean 15%), +60 points by round 2
+    assert "| ring | 15.0 ± 0.0 | 75.0 ± 0.0 | 0.500 ± 0.000 |" in text
+    assert (
+        "| ring | 0.333 | 0.889 | 1.50e-02 ± 0.0e+00 | 1.50e-03 ± 0.0e+00 | 0.100 ± 0.000 |" in text
+    )
+    assert "| fed S1 | 1 of 4 | 0 | last-participation | 0.00 ± 0.00 | 75.0 ± 0.0 |" in text
+    assert (tmp_path / "results" / "dpo" / "consensus.png").exists()
