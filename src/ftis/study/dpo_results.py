@@ -15,7 +15,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from ftis.study.arms import ArmResult, document_head, document_tail, image
+from ftis.study.arms import ArmResult, document_head, document_tail, image, save_figure
 from ftis.study.results import _table, fmt_pct, mean_std
 from ftis.study.spec import Study
 
@@ -282,10 +282,7 @@ def plot_curves(study: Study, results: list[ArmResult], path: Path) -> bool:
         ax.set_ylabel(ylabel, fontsize=8)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 
@@ -319,10 +316,7 @@ def plot_consensus(study: Study, results: list[ArmResult], path: Path) -> bool:
     ax.set_ylabel("consensus error (1/N) sum ||theta_i - mean||^2")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

@@ -16,7 +16,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from ftis.study.arms import ArmResult, document_head, document_tail, image
+from ftis.study.arms import ArmResult, document_head, document_tail, image, save_figure
 from ftis.study.results import _table, fmt_pct, mean_std
 from ftis.study.spec import Study
 
@@ -371,10 +371,7 @@ def plot(study: Study, results: list[ArmResult], path: Path) -> bool:
     ax.set_ylabel("greedy test accuracy (%)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 
