@@ -58,6 +58,47 @@ def _run(cfg: dict, workdir: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+REALISTIC = {"preset": "llama-20m", "steps": 4, "prompts_per_node": 2, "max_new_tokens": 64}
+
+
+def realistic_config(nodes: int, **over) -> dict:
+    """The exchange at realistic scale: `llama-20m` nodes (random init, no warm start), 64 new
+    tokens, vertical sharing. A random model's arithmetic rewards are all 0, and ftis skips
+    zero-advantage groups under filter_mode "zero"; filter_mode "drop" runs every sequence
+    through the update, so each step costs what it would with varied rewards."""
+    r = {**REALISTIC, **over}
+    cfg = _config(nodes, r["preset"], r["steps"], prompts_per_node=r["prompts_per_node"])
+    cfg["name"] = f"realistic-{nodes}"
+    cfg["train"]["max_new_tokens"] = r["max_new_tokens"]
+    for node in cfg["nodes"]:
+        node.pop("warm_start")
+        node["loss"] = {"filter_mode": "drop"}
+    return cfg
+
+
+def realistic_exchange(work: Path, **over) -> dict[str, float]:
+    """Exchange share of step time at 2 and 4 realistic nodes (steps after the first)."""
+    out: dict[str, float] = {}
+    for n in (2, 4):
+        rows = [r for r in _run(realistic_config(n, **over), work) if r["step"] >= 2]
+        step_s = median([r["train/step_seconds"] for r in rows])
+        out[f"realistic_{n}_step_s"] = step_s
+        out[f"realistic_{n}_exchange_share"] = (
+            median([r["exchange/seconds"] for r in rows]) / step_s
+        )
+        out[f"realistic_{n}_codec_share"] = (
+            median(
+                [
+                    r.get("exchange/encode_seconds", 0) + r.get("exchange/decode_seconds", 0)
+                    for r in rows
+                ]
+            )
+            / step_s
+        )
+        out[f"realistic_{n}_peak_rss_mb"] = max(r["memory/peak_rss_mb"] for r in rows)
+    return out
+
+
 def run(quick: bool) -> dict[str, float]:
     out: dict[str, float] = {}
     steps = 6 if quick else 20
@@ -81,6 +122,7 @@ def run(quick: bool) -> dict[str, float]:
                 out[f"scaling_{n}_comm_incl_wait_share"] = comm / step_s
             out[f"scaling_{n}_peak_rss_mb"] = max(r["memory/peak_rss_mb"] for r in rows)
         if not quick:
+            out.update(realistic_exchange(work))
             default = yaml.safe_load(DEFAULT_CONFIG.read_text())
             default.update(
                 name="default-mem",

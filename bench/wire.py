@@ -17,6 +17,7 @@ import torch
 
 from bench.common import TASK, median
 from ftis.exchange import decode_rollouts, encode_rollouts
+from ftis.exchange.wire import logprob_max_error, resolve_logprob_format
 from ftis.models.loading import ModelConfig, build_model, load_tokenizer
 from ftis.rollout.sampler import sample
 from ftis.rollout.types import RolloutBatch
@@ -107,7 +108,21 @@ def run(quick: bool, model_path: str) -> dict[str, float]:
             key = fmt + ("_zlib" if compress else "")
             data, enc_tps, dec_tps = _throughput(batch, vocab, fmt, compress, 3 if quick else 15)
             out[f"wire_{name}_{key}_bpt"] = len(data) / tokens
+            # The error actually made on this batch, against the documented bound.
+            back = decode_rollouts(data, vocab_size=vocab, max_tokens=batch.completion_ids.shape[1])
+            mask = batch.mask
+            out[f"wire_{name}_{key}_max_err"] = float(
+                (back.sampler_logprobs[mask] - batch.sampler_logprobs[mask]).abs().max()
+            )
+            out[f"wire_{name}_{key}_format"] = resolve_logprob_format(fmt, vocab)
+            out[f"wire_{name}_{key}_bound"] = logprob_max_error(fmt, vocab)
             out[f"wire_{name}_{key}_encode_tok_per_s"] = enc_tps
             out[f"wire_{name}_{key}_decode_tok_per_s"] = dec_tps
     out["bytes_per_token"] = out["wire_embedded_compact_bpt"]
+    out["f32_bytes_per_token"] = out["wire_embedded_f32_bpt"]
+    for name in ("embedded", "long"):  # the documented bound holds on both batches
+        for key in ("f32", "compact", "compact_zlib"):
+            err, bound = out[f"wire_{name}_{key}_max_err"], out[f"wire_{name}_{key}_bound"]
+            if err > bound:
+                raise AssertionError(f"wire {name} {key}: error {err} above its bound {bound}")
     return out

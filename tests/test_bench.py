@@ -6,10 +6,17 @@ import sys
 
 
 def test_quick_bench_emits_the_summary_keys(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ftis.cli", "bench", "--quick", "--json"],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ftis.cli", "bench", "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in ("trl_step_time_ratio", "rollout_time_ratio", "bytes_per_token"):
         assert isinstance(summary[key], float) and summary[key] > 0, key
     assert summary["bytes_per_token"] <= 8
+    for key in ("scale_trl_step_time_ratio", "scale_rollout_time_ratio_one_pass"):
+        assert isinstance(summary[key], float) and summary[key] > 0, key
+    assert 0 < summary["scale_update_mfu"] <= 1.5  # a fraction of the measured matmul peak

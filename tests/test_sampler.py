@@ -316,3 +316,27 @@ def test_a_zero_draw_never_picks_a_token_of_probability_zero():
         noise=torch.zeros(2, 3),
     )
     assert (out.completion_ids[:, :3] >= 2).all() and torch.isfinite(out.logprobs).all()
+
+
+def test_preallocated_cache_samples_exactly_what_dynamic_cache_samples(monkeypatch):
+    """The sampler's preallocated KV cache changes nothing: same tokens and bit-identical
+    log-probs as with transformers' DynamicCache."""
+    from transformers import DynamicCache
+
+    import ftis.rollout.sampler as sampler_mod
+    from ftis.models.loading import ModelConfig, build_model
+
+    model = build_model(ModelConfig(preset="llama-xs"))
+    prompts = [[1, 5, 6, 7], [1, 8], [1, 9, 9]]
+
+    def run():
+        return sampler_mod.sample(
+            model, prompts, num_samples=3, max_new_tokens=6, eos_id=-1, pad_id=0,
+            generator=torch.Generator().manual_seed(0),
+        )  # fmt: skip
+
+    fast = run()
+    monkeypatch.setattr(sampler_mod, "preallocated_cache", lambda capacity: DynamicCache())
+    slow = run()
+    assert torch.equal(fast.completion_ids, slow.completion_ids)
+    assert torch.equal(fast.logprobs, slow.logprobs)

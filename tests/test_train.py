@@ -148,7 +148,9 @@ def test_micro_batches_change_nothing_under_the_authors_filter_readings(loss):
     # Lengths that differ between micro-batches (the padded statistic divides by a width) ...
     short = torch.arange(batch.num_sequences) % 3 == 0
     batch.lengths = torch.where(short, torch.full_like(batch.lengths, 2), batch.lengths)
-    batch.completion_ids = torch.where(batch.mask, batch.completion_ids, node.tokenizer.pad_token_id)
+    batch.completion_ids = torch.where(
+        batch.mask, batch.completion_ids, node.tokenizer.pad_token_id
+    )
     batch.sampler_logprobs = torch.where(batch.mask, batch.sampler_logprobs, 0.0)
     # ... and off-policy by a different amount per sequence, so some are filtered and some not.
     shift = torch.linspace(0.0, 0.6, batch.num_sequences)[:, None]
@@ -366,3 +368,17 @@ def test_nan_logits_while_sampling_never_reach_the_weights():
     with pytest.raises(update_mod.NonFiniteError):
         update_mod.update(node, TASK, batch, adv, loss_cfg=node.cfg.loss, micro_batch_size=0)
     assert all(torch.equal(a, b) for a, b in zip(before, node.model.parameters()))
+
+
+def test_peak_rss_is_this_process_own_high_water_mark():
+    """memory/peak_rss_mb reads VmHWM (this address space), not getrusage's ru_maxrss, which a
+    child inherits from its launcher through fork + exec."""
+    from pathlib import Path
+
+    from ftis.train.loop import peak_rss_mb
+
+    status = Path("/proc/self/status")
+    if not status.exists():
+        pytest.skip("no /proc on this platform")
+    hwm = next(int(x.split()[1]) for x in status.read_text().splitlines() if x.startswith("VmHWM"))
+    assert abs(peak_rss_mb() - hwm / 1024) < 64  # read a moment apart

@@ -279,7 +279,7 @@ def sweep(
 @app.command()
 def bench(
     quick: Annotated[
-        bool, typer.Option("--quick", help="A short version (about a minute).")
+        bool, typer.Option("--quick", help="A short version (under 10 minutes on 2 cores).")
     ] = False,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the summary as one JSON object.")
@@ -300,7 +300,8 @@ def bench(
         ),
     ] = 1,
 ) -> None:
-    """Benchmarks side by side (ftis vs TRL, sampler vs generate, wire cost, scaling, memory).
+    """Benchmarks side by side (ftis vs TRL, sampler vs generate, wire cost, scaling, memory,
+    realistic scale with utilisation and a profile).
 
     Runs from a source checkout: the suite lives in the repository's bench/ folder."""
     import json

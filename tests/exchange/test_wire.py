@@ -383,7 +383,7 @@ BAD = [
     (b"", {}, r"truncated: 0 bytes"),
     (craft()[:14], {}, r"truncated: 14 bytes"),
     (craft(magic=b"FTRX"), {}, r"bad magic b'FTRX'"),
-    (craft(version=2), {}, r"unsupported wire version 2 \(this build reads version 1\)"),
+    (craft(version=3), {}, r"unsupported wire version 3 \(this build reads versions 1, 2\)"),
     (craft()[:-1] + bytes([craft()[-1] ^ 1]), {}, r"checksum mismatch"),
     (craft()[:-5], {}, r"checksum mismatch"),
     (craft(flags=0x80), {}, r"unknown flags 0x80"),
@@ -523,3 +523,86 @@ def test_bad_arguments_are_value_errors() -> None:
 
 def test_payload_error_is_a_value_error() -> None:
     assert issubclass(PayloadError, ValueError)
+
+
+# ----------------------------------------------------------------------------- exact f32 (v2)
+
+
+def _f32_batch(values: list[float]) -> RolloutBatch:
+    lp = torch.tensor([values], dtype=torch.float32)
+    n = lp.shape[1]
+    return RolloutBatch(
+        prompt_index=torch.zeros(1, dtype=torch.long),
+        generator=torch.zeros(1, dtype=torch.long),
+        completion_ids=torch.arange(n)[None] % 7,
+        lengths=torch.tensor([n]),
+        sampler_logprobs=lp,
+    )
+
+
+def test_f32_is_bit_exact_on_every_kind_of_value() -> None:
+    tiny = torch.finfo(torch.float32).tiny
+    values = [0.0, -0.0, -tiny, -tiny / 8, -1e-45, -1e-30, -1e-7, -0.5, -1.0, -31.9, -32.0,
+              -1e30, -float(torch.finfo(torch.float32).max)]  # fmt: skip
+    batch = _f32_batch(values)
+    data = encode_rollouts(batch, vocab_size=7)
+    back = decode_rollouts(data, vocab_size=7, max_tokens=len(values))
+    sent = batch.sampler_logprobs.view(torch.int32)
+    assert torch.equal(back.sampler_logprobs.view(torch.int32), sent)  # bit for bit, -0.0 too
+
+
+def test_f32_packs_below_four_bytes_of_log_prob_per_token() -> None:
+    # A batch whose log-probs span [-8, -1/4): 6 exponents -> 3 class bits + 23 = 26 bits per
+    # log-prob + 3 bits per id (vocab 7) = 29 bits, against 32 + 3 for plain f32.
+    g = torch.Generator().manual_seed(0)
+    n, t = 16, 64
+    lp = -(torch.rand((n, t), generator=g) * 7.75 + 0.25)
+    batch = RolloutBatch(
+        prompt_index=torch.arange(n) // 8,
+        generator=torch.zeros(n, dtype=torch.long),
+        completion_ids=torch.randint(0, 7, (n, t), generator=g),
+        lengths=torch.full((n,), t),
+        sampler_logprobs=lp,
+    )
+    data = encode_rollouts(batch, vocab_size=7)
+    assert data[7] == 3  # lp_bits: class bits
+    assert len(data) / batch.num_tokens < (29 + 1) / 8
+    back = decode_rollouts(data, vocab_size=7, max_tokens=t)
+    assert torch.equal(back.sampler_logprobs, lp)
+
+
+def test_version_1_f32_payloads_still_decode() -> None:
+    lps = struct.pack("<3f", -0.5, -1.0, -0.25)
+    data = craft(version=1, lp_kind=0, lp_bits=32, lps=lps)
+    back = decode_rollouts(data, vocab_size=CHAR_VOCAB, max_tokens=8)
+    assert back.sampler_logprobs[back.mask].tolist() == [-0.5, -1.0, -0.25]
+
+
+def _packed_f32_payload(codes: list[int], class_bits: int, e_top: int) -> bytes:
+    from ftis.exchange.wire import _pack
+
+    width = class_bits + 23
+    lps = bytes([e_top]) + _pack(np.array(codes, dtype=np.uint64), width)
+    return craft(version=2, lp_kind=2, lp_bits=class_bits, lps=lps)
+
+
+def test_packed_f32_rejects_malformed_codes() -> None:
+    ok = _packed_f32_payload([2 << 23, 2 << 23, 2 << 23], 2, 126)
+    assert decode_rollouts(ok, vocab_size=CHAR_VOCAB, max_tokens=8).sampler_logprobs[0, 0] == -0.5
+    # class 0 (+0.0) with a nonzero mantissa
+    with pytest.raises(PayloadError, match=r"not a valid \(class, mantissa\) pair"):
+        decode_rollouts(_packed_f32_payload([1, 0, 0], 2, 126), vocab_size=CHAR_VOCAB, max_tokens=8)
+    # a class below exponent 1 (e_top 1, class 3 -> exponent 0)
+    with pytest.raises(PayloadError, match=r"not a valid \(class, mantissa\) pair"):
+        decode_rollouts(
+            _packed_f32_payload([3 << 23, 0, 0], 2, 1), vocab_size=CHAR_VOCAB, max_tokens=8
+        )
+    # e_top 255 would make inf/NaN
+    with pytest.raises(PayloadError, match=r"e_top 255 outside \[0, 254\]"):
+        decode_rollouts(_packed_f32_payload([0, 0, 0], 2, 255), vocab_size=CHAR_VOCAB, max_tokens=8)
+    # more class bits than any exponent needs, and kind 2 in a version 1 payload
+    with pytest.raises(PayloadError, match=r"unknown log-prob format \(kind 2, bits 9\)"):
+        decode_rollouts(_packed_f32_payload([0, 0, 0], 9, 126), vocab_size=CHAR_VOCAB, max_tokens=8)
+    v1 = craft(version=1, lp_kind=2, lp_bits=2, lps=b"\x7e" + b"\x00" * 10)
+    with pytest.raises(PayloadError, match=r"unknown log-prob format \(kind 2, bits 2\)"):
+        decode_rollouts(v1, vocab_size=CHAR_VOCAB, max_tokens=8)

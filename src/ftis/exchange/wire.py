@@ -12,7 +12,7 @@ was wrong. Nothing else escapes `decode_rollouts`.
 
 Layout (docs/wire-format.md section "Layout"), integers little-endian, `varint` = unsigned LEB128:
 
-    magic "FTRB" | version u8 | flags u8 | lp_kind u8 | lp_bits u8
+    magic "FTRB" | version u8 (2; version 1 payloads still decode) | flags u8 | lp_kind u8 | lp_bits u8
     | vocab_size varint | N varint | total_tokens varint
     | sections (raw, or one zlib stream when flags & FLAG_ZLIB)
     | crc32 u32 of everything before it
@@ -20,7 +20,9 @@ Layout (docs/wire-format.md section "Layout"), integers little-endian, `varint` 
     sections = len_bits u8, (lengths - 1) packed at len_bits
              | prompt_index column | generator column     (run-length coded, see _put_column)
              | token ids packed at id_bits = bit_length(vocab_size - 1)
-             | log-probs: f32 little-endian, or fixed-point codes packed at lp_bits
+             | log-probs: exact f32 (kind 2: e_top u8, then (class, mantissa) codes packed at
+               lp_bits + 23, see _f32_codes), fixed-point codes packed at lp_bits (kind 1), or
+               plain f32 little-endian (kind 0, version 1 senders)
 
 "packed at w" = each value as a w-bit unsigned field, most significant bit first, fields back to
 back, the stream zero-padded to a whole byte.
@@ -54,11 +56,17 @@ __all__ = [
 ]
 
 MAGIC = b"FTRB"  # FTis Rollout Batch
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Version 1 is version 2 without log-prob kind 2 (its f32 is kind 0, 4 bytes per log-prob):
+# payloads of older senders still decode.
+READ_VERSIONS = (1, 2)
 FLAG_ZLIB = 0x01
 _KNOWN_FLAGS = FLAG_ZLIB
-_LP_F32 = 0
+_LP_F32 = 0  # plain little-endian f32 (what version 1 senders wrote for "f32")
 _LP_FIXED = 1
+_LP_F32_PACKED = 2  # exact f32 as (exponent class, 23-bit mantissa), version >= 2
+_MANTISSA_BITS = 23
+_MAX_CLASS_BITS = 8
 _Q_MIN_BITS, _Q_MAX_BITS = 8, 24
 # Fixed-point codes cover -log p in [0, LOGPROB_CLAMP): code = round(-lp * 2**(K - 5)).
 # exp(-32) ~ 1.3e-14: no sampler draws such a token in practice (docs/wire-format.md).
@@ -82,12 +90,12 @@ class PayloadError(ValueError):
 
 @dataclass(frozen=True)
 class _LpCodec:
-    kind: int  # _LP_F32 | _LP_FIXED
+    kind: int  # _LP_F32 | _LP_F32_PACKED | _LP_FIXED
     bits: int  # 32 for f32, K for qK
 
     @property
     def name(self) -> str:
-        return "f32" if self.kind == _LP_F32 else f"q{self.bits}"
+        return f"q{self.bits}" if self.kind == _LP_FIXED else "f32"
 
     @property
     def step(self) -> float:
@@ -121,7 +129,7 @@ def check_logprob_format(name: str) -> str:
 
 def _codec(name: str) -> _LpCodec:
     if name == "f32":
-        return _LpCodec(_LP_F32, 32)
+        return _LpCodec(_LP_F32_PACKED, 32)
     if name.startswith("q") and name[1:].isdigit():
         k = int(name[1:])
         if _Q_MIN_BITS <= k <= _Q_MAX_BITS:
@@ -137,7 +145,7 @@ def logprob_max_error(logprob_format: str, vocab_size: int = 2) -> float:
     step / 2 = 2**-(K - 4) for log-probs in [-(32 - step), 0] (step = 2**-(K - 5)); lower
     values are clamped to that most negative code, -(32 - step)."""
     c = _codec(resolve_logprob_format(logprob_format, vocab_size))
-    return 0.0 if c.kind == _LP_F32 else c.step / 2
+    return c.step / 2 if c.kind == _LP_FIXED else 0.0
 
 
 def bytes_per_token(data: bytes, batch: RolloutBatch) -> float:
@@ -227,6 +235,48 @@ def _put_column(values: np.ndarray) -> bytes:
     )
 
 
+def _f32_codes(lp: np.ndarray) -> tuple[int, bytes]:
+    """Exact f32 log-probs (all <= 0, finite) as (class_bits, section).
+
+    A log-prob <= 0 is +0.0, -0.0, a negative subnormal, or a negative normal number; its sign
+    bit carries nothing beyond that, and its 8 exponent bits take few values in one batch (the
+    log-probs of sampled tokens span a few powers of two). Each value becomes a class c and its
+    23 mantissa bits: c = 0 is +0.0 (mantissa 0), c = 1 is exponent field 0 with the sign set
+    (-0.0 or a subnormal), c >= 2 is the normal exponent e_top - (c - 2), e_top being the
+    batch's largest exponent. Section: e_top u8, then (c << 23 | mantissa) packed at
+    class_bits + 23, class_bits = bit_length(max c). Bit-exact both ways (docs/wire-format.md).
+    """
+    u = lp.astype("<f4").view("<u4").astype(np.int64)
+    exp = (u >> _MANTISSA_BITS) & 0xFF
+    mant = u & ((1 << _MANTISSA_BITS) - 1)
+    normal = exp > 0
+    e_top = int(exp.max()) if u.size else 0
+    cls = np.where(normal, e_top - exp + 2, np.where(u == 0, 0, 1))
+    class_bits = int(cls.max()).bit_length() if u.size else 0
+    codes = (cls << _MANTISSA_BITS) | mant
+    return class_bits, bytes([e_top]) + _pack(codes.astype(np.uint64), class_bits + _MANTISSA_BITS)
+
+
+def _f32_decode(r: _Reader, total: int, class_bits: int, lengths: np.ndarray) -> np.ndarray:
+    """Inverse of `_f32_codes`, validating every code: (total,) float32, all finite and <= 0."""
+    e_top = _check_range(r.u8("log-prob e_top"), 0, 254, "log-prob e_top")
+    width = class_bits + _MANTISSA_BITS
+    codes = _unpack(r.take(_packed_size(total, width), "log-probs"), total, width, "log-probs")
+    codes = codes.astype(np.int64)
+    cls = codes >> _MANTISSA_BITS
+    mant = codes & ((1 << _MANTISSA_BITS) - 1)
+    exp = e_top - cls + 2
+    bad = ((cls == 0) & (mant != 0)) | ((cls >= 2) & (exp < 1))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise PayloadError(
+            f"log-prob code {int(codes[i])} at {_locate(i, lengths)} is not a valid "
+            f"(class, mantissa) pair for e_top {e_top}"
+        )
+    u = np.where(cls >= 2, (1 << 31) | (exp << _MANTISSA_BITS) | mant, (cls << 31) | mant)
+    return u.astype("<u4").view("<f4").astype(np.float32)
+
+
 def encode_rollouts(
     batch: RolloutBatch,
     *,
@@ -238,8 +288,8 @@ def encode_rollouts(
 
     Args:
         batch: the sender's batch (any device; read on the CPU).
-        logprob_format: "f32" (default: bit-exact, 4.9-6.3 B/token for vocabularies of 102 to
-            151936), "qK" for K in 8..24 (fixed-point -log p, max abs error 2**-(K-4) nats), or
+        logprob_format: "f32" (default: bit-exact, exponent-class + mantissa coded, about
+            3.5-4.6 B/token for the 102-symbol vocabulary, 5.6-5.8 for 151936), "qK" for K in 8..24 (fixed-point -log p, max abs error 2**-(K-4) nats), or
             "compact" (the most precise qK fitting 4 B/token, see `resolve_logprob_format`).
         vocab_size: the shared tokenizer's vocabulary size, recorded in the header; every token id
             must be below it. Default: max id + 1 (the smallest bound that fits this batch).
@@ -277,8 +327,9 @@ def encode_rollouts(
         )
     lp = np.where(lp > 0, np.float32(0.0), lp)  # (np.minimum would turn -0.0 into 0.0)
     codec = _codec(resolve_logprob_format(logprob_format, vocab_size))
-    if codec.kind == _LP_F32:
-        lp_bytes = lp.astype("<f4").tobytes()
+    lp_bits = codec.bits
+    if codec.kind == _LP_F32_PACKED:
+        lp_bits, lp_bytes = _f32_codes(lp)
     else:
         scale = 2.0 ** (codec.bits - _Q_RANGE_BITS)
         codes = np.clip(np.rint(-lp.astype(np.float64) * scale), 0, (1 << codec.bits) - 1)
@@ -303,7 +354,7 @@ def encode_rollouts(
     body = b"".join(
         [
             MAGIC,
-            bytes([FORMAT_VERSION, flags, codec.kind, codec.bits]),
+            bytes([FORMAT_VERSION, flags, codec.kind, lp_bits]),
             _varint(vocab_size),
             _varint(n),
             _varint(int(ids.size)),
@@ -377,7 +428,8 @@ def _get_column(r: _Reader, n: int, what: str) -> np.ndarray:
 def _sections_bound(n: int, total: int, id_bits: int, lp_bits: int) -> int:
     """Largest possible size of the sections for these header values (bounds decompression)."""
     column = 10 + 10 + 2 + _packed_size(n, 63) + _packed_size(n, 32)
-    return 1 + _packed_size(n, 32) + 2 * column + _packed_size(total, id_bits + lp_bits) + 1
+    # + 1 for the f32 section's e_top byte, + 1 of slack
+    return 1 + _packed_size(n, 32) + 2 * column + _packed_size(total, id_bits + lp_bits) + 2
 
 
 def max_payload_size(*, max_sequences: int, max_tokens: int, vocab_size: int) -> int:
@@ -408,9 +460,10 @@ def _decode(
     if data[: len(MAGIC)] != MAGIC:
         raise PayloadError(f"bad magic {bytes(data[: len(MAGIC)])!r}, expected {MAGIC!r}")
     version = data[len(MAGIC)]
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         raise PayloadError(
-            f"unsupported wire version {version} (this build reads version {FORMAT_VERSION})"
+            f"unsupported wire version {version} (this build reads versions "
+            f"{', '.join(map(str, READ_VERSIONS))})"
         )
     body = data[:-4]
     (crc,) = struct.unpack("<I", data[-4:])
@@ -425,6 +478,9 @@ def _decode(
     lp_kind, lp_bits = r.u8("lp_kind"), r.u8("lp_bits")
     if lp_kind == _LP_F32 and lp_bits == 32:
         codec = _LpCodec(_LP_F32, 32)
+    elif lp_kind == _LP_F32_PACKED and version >= 2 and lp_bits <= _MAX_CLASS_BITS:
+        # lp_bits = class bits; the bounds below count the mantissa and the e_top byte
+        codec = _LpCodec(_LP_F32_PACKED, lp_bits + _MANTISSA_BITS)
     elif lp_kind == _LP_FIXED and _Q_MIN_BITS <= lp_bits <= _Q_MAX_BITS:
         codec = _LpCodec(_LP_FIXED, lp_bits)
     else:
@@ -476,7 +532,9 @@ def _decode(
         raise PayloadError(
             f"token id {ids[i]} at {_locate(i, lengths)} >= {which} vocab_size {id_limit}"
         )
-    if codec.kind == _LP_F32:
+    if codec.kind == _LP_F32_PACKED:
+        lp = _f32_decode(r, total, codec.bits - _MANTISSA_BITS, lengths)
+    elif codec.kind == _LP_F32:
         lp = np.frombuffer(r.take(4 * total, "log-probs"), dtype="<f4").astype(np.float32)
         bad = ~(np.isfinite(lp) & (lp <= 0))
         if bad.any():

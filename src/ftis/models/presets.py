@@ -37,6 +37,15 @@ PRESETS: dict[str, Preset] = {
     "llama-xs-deep": Preset("llama", layers=4, hidden=64, heads=4, kv_heads=2, intermediate=192),
     "qwen2-s": Preset("qwen2", layers=3, hidden=96, heads=4, kv_heads=2, intermediate=256),
     "qwen2-m": Preset("qwen2", layers=4, hidden=128, heads=4, kv_heads=2, intermediate=384),
+    # Realistic-scale presets for the benchmarks (bench/scale.py): 23M / 25M parameters, nearly
+    # all in the transformer body (the character vocabulary makes the LM head negligible), so
+    # compute, not per-call overhead, sets the pace. Too slow to warm-start on 2 cores: random init.
+    "llama-20m": Preset(
+        "llama", layers=8, hidden=512, heads=8, kv_heads=4, intermediate=1376, max_positions=1024
+    ),
+    "qwen2-25m": Preset(
+        "qwen2", layers=8, hidden=512, heads=8, kv_heads=2, intermediate=1600, max_positions=1024
+    ),
 }
 
 

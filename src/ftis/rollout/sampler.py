@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from ftis.models.logprobs import _cache_kwarg, position_ids_from_mask
+from ftis.rollout.cache import preallocated_cache
 
 
 @dataclass
@@ -94,18 +94,30 @@ def sample(
         device = next(model.parameters()).device
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
 
-        cache = DynamicCache()
+        width = prompt_ids.shape[1]
+        # KV buffers and the attention mask are allocated once for the whole rollout and
+        # filled in place (rollout/cache.py); the model sees views of the filled part.
+        cache = preallocated_cache(width + max_new_tokens)
         cache_kw = {_cache_kwarg(model): cache}
-        attn = prompt_mask
-        positions = position_ids_from_mask(attn)
+        full_attn = torch.ones((n, width + max_new_tokens), dtype=prompt_mask.dtype, device=device)
+        full_attn[:, :width] = prompt_mask
+        positions = position_ids_from_mask(prompt_mask)
+        # Each prompt runs through the model once; its KV cache and last logits are then
+        # gathered to its num_samples rows (the prompt's G completions share them).
+        unique_ids, unique_mask = left_pad(prompts, pad_id)
         out = model(
-            input_ids=prompt_ids,
-            attention_mask=attn,
-            position_ids=positions,
+            input_ids=unique_ids.to(device),
+            attention_mask=unique_mask.to(device),
+            position_ids=position_ids_from_mask(unique_mask.to(device)),
             **cache_kw,
             use_cache=True,
             logits_to_keep=1,
         )
+        logits = out.logits[:, -1, :]
+        if num_samples > 1:
+            row_of = torch.arange(len(prompts), device=device).repeat_interleave(num_samples)
+            cache.batch_select_indices(row_of)
+            logits = logits[row_of]
         next_pos = positions[:, -1:] + 1
 
         tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -114,7 +126,7 @@ def sample(
         lengths = torch.zeros(n, dtype=torch.long, device=device)
         steps = 0
         for t in range(max_new_tokens):
-            logits = out.logits[:, -1, :].float()
+            logits = logits.float()
             if temperature > 0:
                 logp = torch.log_softmax(logits / temperature, dim=-1)
                 cdf = logp.exp().cumsum(-1)
@@ -135,14 +147,14 @@ def sample(
             steps = t + 1
             if bool(done.all()) or t == max_new_tokens - 1:
                 break
-            attn = torch.cat([attn, torch.ones((n, 1), dtype=attn.dtype, device=device)], dim=1)
             out = model(
                 input_ids=tokens[:, t : t + 1],
-                attention_mask=attn,
+                attention_mask=full_attn[:, : width + t + 1],
                 position_ids=next_pos,
                 **cache_kw,
                 use_cache=True,
             )
+            logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
         return Samples(
             prompt_ids=prompt_ids,

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import resource
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -256,8 +257,23 @@ def _transport_metrics(transport: Transport, before, totals: dict[str, float]) -
 
 
 def peak_rss_mb() -> float:
-    """Peak resident memory of this process so far, in MiB (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak resident memory of this process so far, in MiB.
+
+    Read from VmHWM in /proc/self/status where there is one (Linux): it belongs to this
+    process's own address space. getrusage's ru_maxrss is not: Linux carries the address space
+    a process had before exec into the figure, and a forked child starts with a copy of its
+    parent's, so every node process started by a launcher with a larger footprint reported at
+    least the launcher's resident size. ru_maxrss is the fallback elsewhere
+    (KiB on Linux, bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
 
 
 def _raise_crash(step: int) -> None:
