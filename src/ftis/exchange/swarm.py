@@ -265,6 +265,9 @@ class SwarmTransport:
             else:
                 out[peer] = data
         info.members, info.arrived, info.peers = len(members), len(out), sorted(out)
+        # This round's exchange is over: announce the next one at once, so that a peer joining
+        # while this one still trains on round_ starts at round_ + 1, never at a finished round.
+        self._heartbeat(LIVE, round_ + 1)
         self._prev = (round_, set(out))
         self.last = info
         self.stats.seconds += time.perf_counter() - t0
