@@ -1,9 +1,14 @@
 """`run_swarm`: a swarm of peers on this machine, with the config's churn schedule.
 
+`algorithm.backend: sim` hands the run to the in-process simulator (`ftis.algos.swarm.sim`);
+`hivemind` runs it as below.
+
     bootstrap   a DHT node in this process on 127.0.0.1 (unless `algorithm.initial_peers` names
                 a running swarm); its multiaddrs go to RUN_DIR/swarm-peers.txt
-    peers       one process per node (`python -m ftis.algos.swarm.peer`), started when the swarm
-                reaches its `join_at`; stopped at `leave_at` (or killed: `crash`); restarted
+    peers       one process per node (`python -m ftis.algos.swarm.peer`); the initial peers (no
+                `join_at`) at once, meeting at a start barrier before round 1 (so a peer slow
+                to start is waited for, not taken for a late joiner); the others when the swarm
+                reaches their `join_at`; stopped at `leave_at` (or killed: `crash`); restarted
                 with --resume at `rejoin_at`
     rows        the standard run directory: metrics.jsonl (step = the swarm's round), nodes/
 
@@ -48,7 +53,13 @@ class _Peer:
 
 
 def peer_command(
-    run_dir: Path, name: str, initial: list[str], *, resume: bool, leave_at: int | None
+    run_dir: Path,
+    name: str,
+    initial: list[str],
+    *,
+    resume: bool,
+    leave_at: int | None,
+    start_barrier: bool = False,
 ) -> list[str]:
     cmd = [
         sys.executable,
@@ -66,6 +77,8 @@ def peer_command(
         cmd.append("--resume")
     if leave_at is not None:
         cmd += ["--leave-at", str(leave_at)]
+    if start_barrier:
+        cmd.append("--start-barrier")
     return cmd
 
 
@@ -82,6 +95,15 @@ def run_swarm(
     cfg: RunConfig, run_dir: Path, *, console: Console | None = None, resume: bool = False
 ) -> MultiResult:
     a: SwarmConfig = cfg.algorithm  # type: ignore[assignment]
+    if a.backend == "sim":
+        from ftis.algos.swarm.sim import run_sim
+
+        return run_sim(cfg, run_dir, console=console, resume=resume)
+    from ftis.algos.swarm.schedule import resolve_churn
+    from ftis.algos.swarm.sim import write_schedule
+
+    churn = resolve_churn(cfg)
+    write_schedule(run_dir, churn, cfg.train.steps)
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     board = None
@@ -102,7 +124,8 @@ def run_swarm(
             truncate_rows(run_dir / "metrics.jsonl", n.name, after_step=step)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_NUM_THREADS", "1")
-    peers = [_Peer(n.name, a.churn.get(n.name, ChurnConfig())) for n in cfg.nodes]
+    peers = [_Peer(n.name, churn[n.name]) for n in cfg.nodes]
+    names = [n.name for n in cfg.nodes]
     files = []
 
     def start(p: _Peer, *, rejoin: bool) -> None:
@@ -110,7 +133,15 @@ def run_swarm(
         files.append(f)
         leave = None if rejoin or p.churn.crash else p.churn.leave_at  # a crash: killed here
         p.proc = subprocess.Popen(
-            peer_command(run_dir, p.name, initial, resume=resume or rejoin, leave_at=leave),
+            peer_command(
+                run_dir,
+                p.name,
+                initial,
+                resume=resume or rejoin,
+                leave_at=leave,
+                # the initial peers meet at the start barrier; late joiners and rejoins do not
+                start_barrier=not rejoin and p.churn.join_at == 0,
+            ),
             stdout=f,
             stderr=subprocess.STDOUT,
             env=env,
@@ -180,6 +211,17 @@ def run_swarm(
                             p.phase, p.code = "away", 0
                         else:
                             p.phase, p.code = "done", code
+                        if code not in (0, INTERRUPTED) and board is not None and not planned:
+                            # it died without a goodbye (maybe before the start barrier):
+                            # say it for it, so nobody waits for it until a timeout
+                            from ftis.exchange.swarm import announce_left
+
+                            announce_left(
+                                board,
+                                f"ftis-swarm:{cfg.name}",
+                                names.index(p.name),
+                                ttl_s=a.member_ttl_s,
+                            )
                 time.sleep(POLL_S)
     except KeyboardInterrupt:
         stopping = True

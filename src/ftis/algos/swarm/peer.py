@@ -1,11 +1,15 @@
 """One swarm peer: the process `ftis run` starts per peer, or that you start by hand.
 
     python -m ftis.algos.swarm.peer CONFIG --out RUN_DIR --node NAME \\
-        --initial-peer /ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID [--resume] [--leave-at STEP]
+        --initial-peer /ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID [--resume] [--leave-at STEP] \\
+        [--start-barrier]
 
 NAME picks the node (`nodes[i]`, peer id i). The peer joins the swarm through the initial peers
 (a running swarm's multiaddrs: `ftis run` writes its bootstrap node's to RUN_DIR/swarm-peers.txt),
-joins at the swarm's current round, and trains to `train.steps`. On another machine, listen on a
+joins at the swarm's current round, and trains to `train.steps`. With --start-barrier (what
+`ftis run` passes to the initial peers, those without a churn `join_at`) it first waits until
+every initial peer is up (at most `algorithm.start_timeout_s`), so that they start round 1
+together. On another machine, listen on a
 reachable address with --host 0.0.0.0 --port PORT --announce /ip4/THIS_IP/tcp/PORT.
 
 Exit codes: 0 finished, 130 left (SIGINT/SIGTERM or --leave-at) after a checkpoint, 2 a user
@@ -36,12 +40,16 @@ def build_transport(
     host: str = "127.0.0.1",
     port: int = 0,
     announce: list[str] | None = None,
+    start_barrier: bool = False,
 ):
-    """This peer's DHT node and swarm transport (hivemind; loopback unless told otherwise)."""
+    """This peer's DHT node and swarm transport (hivemind; loopback unless told otherwise).
+    start_barrier: this peer is one of the swarm's initial peers and starts with them."""
+    from ftis.algos.swarm.schedule import resolve_churn
     from ftis.exchange.dht import DHTBoard
     from ftis.exchange.swarm import SwarmSettings, SwarmTransport
 
     a = cfg.algorithm
+    slow_s = resolve_churn(cfg)[cfg.nodes[rank].name].slow_s
     extra = {"announce_maddrs": announce} if announce else {}
     board = DHTBoard(
         initial_peers,
@@ -56,6 +64,9 @@ def build_transport(
         deadline_s=a.deadline_s,
         member_ttl_s=a.member_ttl_s,
         payload_ttl_s=a.payload_ttl_s,
+        start_peers=a.start_peers(cfg) if start_barrier else frozenset(),
+        start_timeout_s=a.start_timeout_s,
+        publish_delay_s=slow_s,
     )
     return SwarmTransport(
         board, peer_id=rank, max_peers=a.max_peers, settings=settings, should_stop=stop
@@ -73,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--announce", action="append", default=[])
     p.add_argument("--resume", action="store_true")
     p.add_argument("--leave-at", type=int, default=None)
+    p.add_argument(
+        "--start-barrier",
+        action="store_true",
+        help="an initial peer: wait for the other initial peers before round 1",
+    )
     p.add_argument("--set", dest="overrides", action="append", default=[])
     args = p.parse_args(argv)
     logging.basicConfig(
@@ -108,7 +124,14 @@ def main(argv: list[str] | None = None) -> int:
                 stop.requested = True  # leave after this step: checkpoint, goodbye, exit 130
 
         transport = build_transport(
-            cfg, rank, initial, stop, host=args.host, port=args.port, announce=args.announce
+            cfg,
+            rank,
+            initial,
+            stop,
+            host=args.host,
+            port=args.port,
+            announce=args.announce,
+            start_barrier=args.start_barrier,
         )
         result = train_node(
             cfg,
