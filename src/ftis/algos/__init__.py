@@ -218,3 +218,18 @@ def _register_population() -> None:
 
 
 _register_population()
+
+
+def _register_swarm() -> None:
+    # F-TIS among peers that come and go, on hivemind's DHT (docs/swarm.md).
+    from ftis.algos.swarm.config import SwarmConfig
+
+    register_algorithm(
+        "swarm",
+        SwarmConfig,
+        "ftis.algos.swarm.algorithm:SwarmAlgorithm",
+        launcher="ftis.algos.swarm.launch:run_swarm",
+    )
+
+
+_register_swarm()

@@ -137,6 +137,11 @@ def train_node(
     start, state = (0, {}) if found is None else (int(found[1]["step"]), found[1])
     if found is not None:
         log.info("node %s: resumed from %s (step %d)", node.name, found[0], start)
+    # A transport without a fixed membership (a swarm) may have moved on while this node was
+    # away: it joins at the group's current step (optional `join_step(done) -> step`).
+    join_step = getattr(transport, "join_step", None)
+    if join_step is not None:
+        start = max(start, int(join_step(start)))
     # The shell's own running totals: bytes the transport moved, for every algorithm alike.
     totals = {"bytes_sent_total": 0.0, "bytes_received_total": 0.0}
     totals.update({k: v for k, v in state.get("counters", {}).items() if k in totals})
@@ -176,11 +181,11 @@ def train_node(
 
     last_eval: dict[str, float] = {}
     first_eval: dict[str, float] = {}
-    if start == 0:
-        first_eval = last_eval = run_eval(0)
-        logger.log(0, {**first_eval, **timer.pop(), "time/setup": setup_seconds})
+    if start == 0 or found is None:  # before training (at the join step for a late joiner)
+        first_eval = last_eval = run_eval(start)
+        logger.log(start, {**first_eval, **timer.pop(), "time/setup": setup_seconds})
         if progress:
-            progress("step", step=0, total=tc.steps, metrics=first_eval)
+            progress("step", step=start, total=tc.steps, metrics=first_eval)
 
     crash_at = cfg.testing.crash_at_step.get(node.name)
     done = start  # the last completed step: its row is logged and its update applied

@@ -26,3 +26,10 @@ def eval_seed(seed: int, step: int) -> int:
 def adversary_seed(seed: int, step: int, rank: int) -> int:
     """The generator seed with which a testing adversary corrupts its batch of `step`."""
     return seed * _ADVERSARY_STRIDE + _RANK_STRIDE * step + rank
+
+
+def swarm_sample_seed(seed: int, rank: int) -> int:
+    """The sampling seed of swarm peer `rank`: every peer samples whole groups of the same
+    prompts, so each needs its own noise (with the run's seed, two peers of one model would
+    draw identical completions)."""
+    return seed * _ADVERSARY_STRIDE + _EVAL_STRIDE * (rank + 1) + 1

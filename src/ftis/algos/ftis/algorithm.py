@@ -98,6 +98,17 @@ class FTISAlgorithm:
             received[self.rank] = own  # a node trains on its own honest samples
         with self.timer("validate"):
             rejected = self._validate(received, indices, step)
+        metrics, batch = self.learn(received, own, step)
+        if world > 1:
+            metrics.update(self._exchange_metrics(own, batch, rejected))
+        return metrics
+
+    def learn(
+        self, received: list[RolloutBatch | None], own: RolloutBatch, step: int
+    ) -> tuple[dict[str, float], RolloutBatch]:
+        """Score, advantages and update on the validated batches of a step (None: nothing from
+        that rank); returns the step's metrics and the batch it trained on. Also used by the
+        swarm algorithm (ftis.algos.swarm), whose peers come and go."""
         pad_id = self.node.tokenizer.pad_token_id
         batch = RolloutBatch.concat([b for b in received if b is not None], pad_id)
         with self.timer("score"):
@@ -129,16 +140,15 @@ class FTISAlgorithm:
             metrics.update(self._update(batch, adv, step))
         metrics["reward/non_finite"] = float(bad_rewards)
         metrics.update(_reward_metrics(batch, rewards, self.rank))
-        if world > 1:
-            metrics.update(self._exchange_metrics(own, batch, rejected))
         self.counters["generated_tokens_total"] += own.num_tokens
         metrics["train/generated_tokens"] = float(own.num_tokens)
         metrics["train/generated_tokens_total"] = self.counters["generated_tokens_total"]
-        tokens = self._forward_tokens(own) + 3 * tc.update_epochs * self._forward_tokens(batch)
+        updates = self.cfg.train.update_epochs
+        tokens = self._forward_tokens(own) + 3 * updates * self._forward_tokens(batch)
         self.counters["forward_tokens_total"] += tokens
         metrics["train/forward_tokens"] = float(tokens)
         metrics["train/forward_tokens_total"] = self.counters["forward_tokens_total"]
-        return metrics
+        return metrics, batch
 
     def _forward_tokens(self, batch: RolloutBatch) -> int:
         """Prompt + completion tokens of every sequence of `batch`: the tokens one forward pass

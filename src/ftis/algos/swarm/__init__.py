@@ -1,0 +1,1 @@
+"""Swarm: F-TIS among peers that join, leave and rejoin, on hivemind's DHT (docs/swarm.md)."""

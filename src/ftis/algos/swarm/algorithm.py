@@ -1,0 +1,152 @@
+"""One peer of a swarm: F-TIS on its own samples and whatever its peers published in time.
+
+    sample      G completions of every prompt of the round (the round's prompts come from
+                (seed, round): every peer answers the same prompts, whoever is present), with
+                the peer's own sampling noise (seeds.swarm_sample_seed)
+    exchange    publish, collect until the live members have published or the deadline passed
+    validate    a peer's batch may only answer this round's prompts, at most G per prompt;
+                then at most `max_peers_used` peers' batches are kept (drawn at random)
+    learn       F-TIS's own score / advantages / update (ftis.algos.ftis.algorithm.learn):
+                a group holds every present peer's completions of its prompt
+
+Differences from `ftis`: no sharing scheme (nobody knows who will be there, so every peer
+samples whole groups); membership is whatever arrived; rounds are the shell's steps, and a
+late joiner starts at the swarm's current round (`SwarmTransport.join_step`).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+from ftis.algos.base import NodeContext
+from ftis.algos.ftis import sharing
+from ftis.algos.ftis.algorithm import FTISAlgorithm
+from ftis.exchange.swarm import SwarmTransport
+from ftis.rollout.types import RolloutBatch
+from ftis.train.sampling import generate
+from ftis.train.seeds import adversary_seed, swarm_sample_seed
+
+log = logging.getLogger(__name__)
+
+
+class SwarmAlgorithm:
+    """A swarm peer. State: F-TIS's counters and the swarm's running totals."""
+
+    def __init__(self, ctx: NodeContext) -> None:
+        self.ctx = ctx
+        self.inner = FTISAlgorithm(ctx)  # its codec, exchange, update and evaluation
+        self.totals = {"stale_total": 0.0, "late_total": 0.0, "rejected_total": 0.0}
+        self._barrier_reported = False
+        # every peer samples whole groups of the same prompts: its own noise, not the run's
+        tc = ctx.cfg.train
+        self._sampling = tc.model_copy(update={"seed": swarm_sample_seed(tc.seed, ctx.rank)})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ftis": self.inner.state_dict(), "swarm": dict(self.totals)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state.get("ftis", {}))
+        self.totals.update(state.get("swarm", {}))
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        return self.inner.evaluate(step)
+
+    def step(self, step: int) -> dict[str, float]:
+        inner, tc = self.inner, self.ctx.cfg.train
+        with inner.timer("sample"):
+            indices = sharing.step_prompts(
+                tc.seed, step, tc.prompts_per_step, len(inner.train_split)
+            )
+            own = generate(
+                inner.node,
+                inner.task,
+                [inner.train_split[i] for i in indices],
+                slots=(0, tc.group_size),
+                cfg=self._sampling,
+                step=step,
+            )
+        with inner.timer("exchange"):
+            received = inner.exchange.all_gather(inner._outgoing(own, step))
+            received[inner.rank] = own
+        with inner.timer("validate"):
+            rejected = self._validate(received, indices, step)
+            self._subsample(received, step)
+        metrics, batch = inner.learn(received, own, step)
+        metrics.update(inner._exchange_metrics(own, batch, rejected))
+        metrics.update(self._swarm_metrics(received, rejected))
+        return metrics
+
+    def _subsample(self, received: list[RolloutBatch | None], step: int) -> None:
+        """Keep at most `max_peers_used` peers' batches (SAPO: a few external rollouts next to
+        its own), drawn by (seed, step, peer): the same every time."""
+        k = self.ctx.cfg.algorithm.max_peers_used
+        rank = self.inner.rank
+        peers = [p for p, b in enumerate(received) if b is not None and p != rank]
+        if k is None or len(peers) <= k:
+            return
+        rng = random.Random(adversary_seed(self.ctx.cfg.train.seed, step, rank) + 1)
+        for p in set(peers) - set(rng.sample(peers, k)):
+            received[p] = None
+
+    def _validate(self, received: list[RolloutBatch | None], indices: list[int], step: int) -> int:
+        quota = dict.fromkeys(indices, self.ctx.cfg.train.group_size)
+        rejected = 0
+        for peer, b in enumerate(received):
+            if peer == self.inner.rank or b is None:
+                continue
+            why = sharing.check_peer_batch(b, quota, train_size=len(self.inner.train_split))
+            if why is not None:
+                log.warning(
+                    "peer %s round %d: rejected peer %d's batch: %s",
+                    self.inner.node.name,
+                    step,
+                    peer,
+                    why,
+                )
+                received[peer] = None
+                rejected += 1
+        return rejected
+
+    def _swarm_metrics(
+        self, received: list[RolloutBatch | None], rejected: int
+    ) -> dict[str, float]:
+        transport = self.ctx.transport
+        info = transport.last if isinstance(transport, SwarmTransport) else None
+        decoded = self.inner.exchange.last_stats.rejected
+        self.totals["rejected_total"] += decoded + rejected
+        own = received[self.inner.rank]
+        samples = sum(b.num_sequences for b in received if b is not None and b is not own)
+        out = {
+            "swarm/peers_used": float(sum(b is not None for b in received) - 1),
+            "swarm/samples_received": float(samples),
+            "swarm/rejected": float(decoded + rejected),
+            "swarm/rejected_total": self.totals["rejected_total"],
+        }
+        if info is not None:
+            self.totals["stale_total"] += info.stale
+            self.totals["late_total"] += info.late
+            out.update(
+                {
+                    "swarm/members": float(info.members),
+                    "swarm/peers_seen": float(info.arrived),
+                    "swarm/stale": float(info.stale),
+                    "swarm/late": float(info.late),
+                    "swarm/timed_out": float(info.timed_out),
+                    "swarm/stale_total": self.totals["stale_total"],
+                    "swarm/late_total": self.totals["late_total"],
+                }
+            )
+            if info.published is not None:  # the simulator: peers that sent this round at all
+                tc = self.ctx.cfg.train
+                out["swarm/published"] = float(info.published)
+                out["swarm/samples_published"] = float(
+                    info.published * tc.prompts_per_step * tc.group_size
+                )
+            if transport.barrier_waited_s is not None and not self._barrier_reported:
+                # this process's first round: how long the start barrier waited, for whom
+                self._barrier_reported = True
+                out["swarm/start_wait_s"] = transport.barrier_waited_s
+                out["swarm/start_missing"] = float(len(transport.barrier_missing))
+        return out

@@ -1,0 +1,157 @@
+"""The swarm algorithm's config (`algorithm.kind: swarm`, docs/swarm.md)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ftis.algos import AlgorithmConfig
+
+
+class ChurnConfig(BaseModel):
+    """When `ftis run` starts, stops and restarts one peer (steps are the swarm's rounds).
+
+    join_at: start the peer once the swarm has reached this round (0: at once, with the
+        initial peers); its first round is the swarm's next one.
+    leave_at: the peer leaves after this step (a checkpoint, then it announces it is gone).
+    crash: leave by SIGKILL instead (no goodbye, no checkpoint beyond its last regular one: the
+        others stop waiting once its heartbeat expires).
+    rejoin_at: restart the peer from its checkpoint once the swarm has reached this round.
+    slow_s: a slow peer: it publishes each round's payload this many seconds late (virtual
+        seconds in the simulator); beyond `deadline_s` the others count its payloads as late.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    join_at: int = Field(0, ge=0)
+    leave_at: int | None = Field(None, ge=1)
+    crash: bool = False
+    rejoin_at: int | None = Field(None, ge=1)
+    slow_s: float = Field(0.0, ge=0)
+
+    def present(self, round_: int) -> bool:
+        """Whether the schedule has the peer train round `round_` (1-based)."""
+        if round_ <= self.join_at:
+            return False
+        if self.leave_at is not None and round_ > self.leave_at:
+            return self.rejoin_at is not None and round_ > self.rejoin_at
+        return True
+
+    @model_validator(mode="after")
+    def _order(self) -> ChurnConfig:
+        if self.rejoin_at is not None and (
+            self.leave_at is None or self.rejoin_at <= self.leave_at
+        ):
+            raise ValueError("churn.rejoin_at needs a leave_at before it (rejoin_at > leave_at)")
+        if self.leave_at is not None and self.leave_at <= self.join_at:
+            raise ValueError("churn.leave_at must come after join_at")
+        return self
+
+
+class RandomChurn(BaseModel):
+    """A generated churn schedule (`algorithm.churn.random`) for the peers without an entry of
+    their own: at every round about `absent_fraction` of all peers are away. Each of
+    round(absent_fraction * peers) "absence slots" is tiled from round 1 to the last by
+    absences of `min_absence`..`max_absence` rounds, each a different peer's: the first is a
+    late join, the middle ones leaves with a rejoin (a crash with probability
+    `crash_fraction`), the last a leave for good. Every peer is present at least half the run
+    (max_absence defaults to half of train.steps). `slow_fraction` of them are slow (`slow_s`,
+    default twice deadline_s). The schedule is a function of the seed and the config only
+    (`ftis.algos.swarm.schedule`; written to RUN_DIR/swarm-schedule.json)."""
+
+    model_config = ConfigDict(extra="forbid")
+    absent_fraction: float = Field(0.25, ge=0, lt=1)
+    seed: int = 0
+    min_absence: int = Field(2, ge=1)
+    max_absence: int | None = Field(None, ge=1)
+    crash_fraction: float = Field(0.5, ge=0, le=1)
+    slow_fraction: float = Field(0.0, ge=0, le=1)
+    slow_s: float | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> RandomChurn:
+        if self.max_absence is not None and self.max_absence < self.min_absence:
+            raise ValueError("churn.random.max_absence must be >= min_absence")
+        return self
+
+
+class SwarmConfig(AlgorithmConfig):
+    """F-TIS in a swarm: every peer samples G completions of every prompt of the round, publishes
+    them, trains on its own and whatever its peers published before the deadline.
+
+    max_peers: the largest peer id + 1 (a peer's id is its index in `nodes`).
+    deadline_s: the longest a peer waits for the live members' payloads of a round.
+    member_ttl_s: a peer silent this long (crashed) is no longer waited for; longer than a step.
+    payload_ttl_s: how long a round's payloads stay readable for slow and late peers.
+    start_timeout_s: the longest the initial peers (those without a churn `join_at`) wait for
+        each other at the start barrier before round 1; one slower than that joins late.
+    max_payload_mb: the DHT refuses records larger than this (at most 4: hivemind's p2p
+        daemon caps a message at 4 MiB).
+    max_peers_used: train on at most this many peers' batches per round besides one's own
+        (drawn at random per round, as SAPO mixes a few external rollouts with its own); None:
+        all that arrived. Bounds a round's update in a large swarm.
+    initial_peers: multiaddrs of a running swarm to join (empty: `ftis run` starts a bootstrap
+        DHT node on 127.0.0.1 and the peers join it).
+    backend: `sim` runs every peer in this one process, on an in-memory board with virtual
+        time (a deterministic scheduler: many peers on few cores); `hivemind` runs one process
+        per peer on hivemind's DHT on loopback (the `swarm` extra).
+    churn: node name -> when it joins, leaves, crashes, rejoins, or is slow (`ftis run`
+        carries it out); `churn.random` generates a schedule for the other peers (RandomChurn).
+    """
+
+    kind: Literal["swarm"] = "swarm"
+    backend: Literal["sim", "hivemind"] = "sim"
+    max_peers: int = Field(64, ge=2, le=1024)
+    deadline_s: float = Field(20.0, gt=0)
+    member_ttl_s: float = Field(60.0, gt=0)
+    payload_ttl_s: float = Field(600.0, gt=0)
+    start_timeout_s: float = Field(600.0, gt=0)
+    max_payload_mb: float = Field(4.0, gt=0)
+    max_peers_used: int | None = Field(None, ge=0)
+    initial_peers: list[str] = Field(default_factory=list)
+    churn: dict[str, ChurnConfig] = Field(default_factory=dict)
+    random_churn: RandomChurn | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _random_key(cls, data: Any) -> Any:
+        # `churn: {random: {...}, <node>: {...}}` reads as churn + random_churn
+        if isinstance(data, dict) and isinstance(data.get("churn"), dict):
+            churn = dict(data["churn"])
+            if "random" in churn:
+                if data.get("random_churn") is not None:
+                    raise ValueError("give algorithm.churn.random or random_churn, not both")
+                data = {**data, "churn": churn, "random_churn": churn.pop("random")}
+        return data
+
+    def start_peers(self, run: Any) -> frozenset[int]:
+        """Ids of the initial peers: the nodes without a `join_at` (explicit or generated), who
+        start together."""
+        from ftis.algos.swarm.schedule import resolve_churn
+
+        churn = resolve_churn(run)
+        return frozenset(i for i, n in enumerate(run.nodes) if churn[n.name].join_at == 0)
+
+    def check_run(self, run: Any) -> None:
+        names = [n.name for n in run.nodes]
+        unknown = sorted(set(self.churn) - set(names))
+        if unknown:
+            raise ValueError(
+                f"algorithm.churn names {', '.join(unknown)}, not nodes of this run "
+                f"({', '.join(names)})"
+            )
+        if len(names) > self.max_peers:
+            raise ValueError(
+                f"{len(names)} nodes but algorithm.max_peers={self.max_peers}: raise max_peers"
+            )
+        if all(c.join_at > 0 for c in (self.churn.get(n, ChurnConfig()) for n in names)):
+            raise ValueError("every peer joins late: let at least one start at once (join_at: 0)")
+        steps = run.train.steps
+        for n, c in self.churn.items():
+            for f in ("join_at", "leave_at", "rejoin_at"):
+                v = getattr(c, f)
+                if v is not None and v >= steps and not (f == "join_at" and v == 0):
+                    raise ValueError(
+                        f"algorithm.churn.{n}.{f}={v} is not before the last round "
+                        f"(train.steps={steps}): choose a round below {steps}"
+                    )

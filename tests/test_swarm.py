@@ -1,0 +1,631 @@
+"""Swarm: the transport's contract on an in-process board, peers that leave and join late while
+the others train, bad payloads rejected and counted, and a round trip over a real hivemind DHT
+on loopback."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ftis.exchange.codec import RolloutCodec
+from ftis.exchange.swarm import MemoryBoard, SwarmSettings, SwarmTransport, pack
+from ftis.rollout.types import RolloutBatch
+from tests.conftest import tiny_run_config
+
+
+def _transport(board: MemoryBoard, peer: int, **kw) -> SwarmTransport:
+    settings = SwarmSettings(**{"deadline_s": 5.0, "member_ttl_s": 5.0, "poll_s": 0.02, **kw})
+    return SwarmTransport(board.view(), peer_id=peer, max_peers=8, settings=settings)
+
+
+def _in_threads(fns):
+    out, threads = {}, []
+    for k, fn in fns.items():
+        threads.append(threading.Thread(target=lambda k=k, fn=fn: out.__setitem__(k, fn())))
+        threads[-1].start()
+    for t in threads:
+        t.join(900)  # a liveness bound only: a loaded machine is slow
+    return out
+
+
+# ---- the transport on an in-process board ------------------------------------------------------
+
+
+def test_three_peers_trade_their_payloads():
+    board = MemoryBoard()
+    ts = [_transport(board, p) for p in range(3)]
+    for t in ts:
+        t.ready()
+    got = _in_threads(
+        {p: (lambda p=p: ts[p].exchange(1, bytes([p]) * 10, max_bytes=100)) for p in range(3)}
+    )
+    for p in range(3):
+        assert got[p] == {q: bytes([q]) * 10 for q in range(3) if q != p}
+        assert ts[p].last.members == 2 and not ts[p].last.timed_out
+        assert ts[p].stats.bytes_sent == 10 and ts[p].stats.bytes_received == 20
+
+
+def test_a_peer_that_left_is_not_waited_for():
+    board = MemoryBoard()
+    a, b = _transport(board, 0, deadline_s=10.0), _transport(board, 1)
+    a.ready(), b.ready()
+    b.close()  # says goodbye
+    t0 = time.perf_counter()
+    assert a.exchange(1, b"x", max_bytes=10) == {}
+    assert time.perf_counter() - t0 < 2.0
+    assert a.last.members == 0
+
+
+def test_a_crashed_peer_is_waited_for_until_its_heartbeat_expires():
+    board = MemoryBoard()
+    a = _transport(board, 0, deadline_s=10.0)
+    b = _transport(board, 1, member_ttl_s=0.5)
+    a.ready(), b.ready()  # b then vanishes without a word
+    t0 = time.perf_counter()
+    assert a.exchange(1, b"x", max_bytes=10) == {}
+    assert 0.3 < time.perf_counter() - t0 < 3.0  # not the 10 s deadline
+
+
+def test_a_slow_live_peer_is_waited_for_until_the_deadline():
+    board = MemoryBoard()
+    a, b = _transport(board, 0, deadline_s=0.5), _transport(board, 1)
+    a.ready(), b.ready()
+    assert a.exchange(1, b"x", max_bytes=10) == {}
+    assert a.last.timed_out and a.last.members == 1
+    # b publishes round 1 after a left it: counted as late at a's next round
+    b.exchange(1, b"y", max_bytes=10)
+    a.exchange(2, b"x", max_bytes=10)
+    assert a.last.late == 1
+
+
+def test_records_of_another_round_or_peer_are_dropped_and_counted():
+    board = MemoryBoard()
+    a = _transport(board, 0, deadline_s=0.3)
+    key = a._round_key(5)
+    exp = board.now() + 60
+    board.publish(key, 1, pack(4, 1, b"old"), exp)  # a round-4 record under round 5
+    board.publish(key, 2, pack(5, 3, b"who"), exp)  # peer 3's record under peer 2
+    board.publish(key, 4, b"garbage", exp)  # no header
+    board.publish(key, 99, pack(5, 99, b"x"), exp)  # not a peer id (max_peers = 8)
+    board.publish(key, 5, pack(5, 5, b"ok"), exp)
+    assert a.exchange(5, b"mine", max_bytes=10) == {5: b"ok"}
+    assert a.last.stale == 4
+
+
+def test_oversized_payloads_come_back_as_none_and_the_board_bounds_values():
+    board = MemoryBoard(max_value_bytes=1000)
+    a, b = _transport(board, 0, deadline_s=0.3), _transport(board, 1)
+    b.exchange(1, b"y" * 50, max_bytes=100)
+    assert a.exchange(1, b"x", max_bytes=10) == {1: None}
+    assert a.stats.oversized == 1
+    assert not board.publish("k", 1, b"z" * 2000, board.now() + 10)
+
+
+def test_a_late_joiner_starts_at_the_swarms_current_round():
+    board = MemoryBoard()
+    a, b = _transport(board, 0), _transport(board, 1)
+    a.ready()
+    a._heartbeat("live", 7)  # a is in round 7
+    assert b.join_step(0) == 6  # b's first step is 7
+    assert b.join_step(9) == 9  # its own checkpoint is newer: keep it
+    a.close()
+    assert b.join_step(0) == 0  # nobody live: start from scratch
+
+
+def test_the_initial_peers_wait_for_each_other_at_the_start_barrier():
+    """An initial peer slow to start (model build, warm start, DHT start-up under load) is
+    waited for before round 1, not taken for a late joiner."""
+    board = MemoryBoard()
+    a = _transport(board, 0, start_peers=frozenset({0, 1}), start_timeout_s=30.0)
+    b = _transport(board, 1, start_peers=frozenset({0, 1}), start_timeout_s=30.0)
+
+    def slow_b():
+        time.sleep(0.8)  # still building its model
+        return b.join_step(0)
+
+    t0 = time.perf_counter()
+    got = _in_threads({"a": lambda: a.join_step(0), "b": slow_b})
+    assert got == {"a": 0, "b": 0}  # both start at round 1
+    assert time.perf_counter() - t0 >= 0.7 and a.barrier_waited_s >= 0.7
+    assert a.barrier_missing == [] and b.barrier_missing == []
+    # while a waited it was a member at round 1 already, so b's round 1 waits for a
+    assert b.members() == {0: 1}
+
+
+def test_the_start_barrier_times_out_and_the_slow_peer_joins_late():
+    board = MemoryBoard()
+    a = _transport(board, 0, start_peers=frozenset({0, 1}), start_timeout_s=0.3)
+    assert a.join_step(0) == 0
+    assert a.barrier_missing == [1] and 0.25 < a.barrier_waited_s < 2.0
+    a.ready()
+    a._heartbeat("live", 6)  # a trained alone up to round 6
+    b = _transport(board, 1, start_peers=frozenset({0, 1}), start_timeout_s=30.0)
+    assert b.join_step(0) == 5  # a came: no wait; the swarm is ahead, b starts at round 6
+    assert b.barrier_waited_s < 1.0
+
+
+def test_the_start_barrier_stops_waiting_for_a_peer_announced_gone():
+    from ftis.exchange.swarm import announce_left
+
+    board = MemoryBoard()
+    a = _transport(board, 0, start_peers=frozenset({0, 1}), start_timeout_s=60.0)
+    # the launcher saw peer 1's process die during its start-up and said so for it
+    threading.Timer(0.3, lambda: announce_left(board, "swarm", 1, ttl_s=60)).start()
+    t0 = time.perf_counter()
+    assert a.join_step(0) == 0
+    assert 0.2 < time.perf_counter() - t0 < 5.0 and a.barrier_missing == []
+
+
+def test_resumed_initial_peers_start_together_at_the_newest_checkpoint():
+    board = MemoryBoard()
+    a = _transport(board, 0, start_peers=frozenset({0, 1}))
+    b = _transport(board, 1, start_peers=frozenset({0, 1}))
+    got = _in_threads({"a": lambda: a.join_step(8), "b": lambda: b.join_step(6)})
+    assert got == {"a": 8, "b": 8}
+
+
+def test_the_start_barrier_stops_waiting_on_a_stop():
+    board = MemoryBoard()
+    stop = {"now": False}
+    a = SwarmTransport(
+        board.view(),
+        peer_id=0,
+        max_peers=8,
+        settings=SwarmSettings(poll_s=0.02, start_peers=frozenset({0, 1}), start_timeout_s=60),
+        should_stop=lambda: stop["now"],
+    )
+    threading.Timer(0.2, lambda: stop.__setitem__("now", True)).start()
+    t0 = time.perf_counter()
+    assert a.join_step(0) == 0
+    assert time.perf_counter() - t0 < 5.0
+
+
+# ---- peers that train: leave, join late, bad payloads ------------------------------------------
+
+
+def _swarm_cfg(steps: int, names: list[str], **algo):
+    from ftis.config import RunConfig
+
+    d = tiny_run_config(steps=steps)
+    node = d["nodes"][0]
+    d["nodes"] = [{**node, "name": n} for n in names]
+    d["eval"] = {"every": 0, "size": 16}
+    d["algorithm"] = {
+        "kind": "swarm",
+        "max_peers": 8,
+        "deadline_s": 5.0,
+        "member_ttl_s": 5.0,
+        **algo,
+    }
+    return RunConfig.model_validate(d)
+
+
+@pytest.fixture
+def _serial_builds(monkeypatch):
+    # Peers run as threads here (as processes under `ftis run`); transformers builds models
+    # under a process-global init context, so builds must not overlap.
+    import ftis.train.loop as loop
+
+    lock, build = threading.Lock(), loop.build_node
+
+    def locked(*a, **kw):
+        with lock:
+            return build(*a, **kw)
+
+    monkeypatch.setattr(loop, "build_node", locked)
+
+
+def _warm(cfg) -> None:
+    from ftis.warmstart import warm_start
+
+    n = cfg.nodes[0]
+    warm_start(n.model, n.warm_start, cfg.task)  # once, before the threads share the cache
+
+
+def _rows(run_dir: Path, node: str) -> list[dict]:
+    from ftis.train.metrics import read_metrics
+
+    return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["node"] == node]
+
+
+def _peer(
+    cfg, rank, board, run_dir, *, leave_at=None, resume=False, start_peers=(), after_step=None
+):
+    """A peer in a thread. Deadlines are generous: peers leave politely here (nobody waits for
+    a goodbye), so they only matter when the machine is loaded and a step is slow.
+    after_step(step): called after each step's row (a test holds a peer there)."""
+    from ftis.train.loop import StopFlag, train_node
+
+    stop = StopFlag()
+    t = SwarmTransport(
+        board.view(),
+        peer_id=rank,
+        max_peers=8,
+        settings=SwarmSettings(
+            deadline_s=60.0,
+            member_ttl_s=120.0,
+            poll_s=0.02,
+            start_peers=frozenset(start_peers),
+            start_timeout_s=300.0,
+        ),
+        should_stop=stop,
+    )
+
+    def progress(event, **info):
+        if leave_at is not None and event == "step" and info["step"] >= leave_at:
+            stop.requested = True
+        if after_step is not None and event == "step":
+            after_step(info["step"])
+
+    return lambda: train_node(
+        cfg, rank=rank, run_dir=run_dir, transport=t, progress=progress, stop=stop, resume=resume
+    )
+
+
+@pytest.mark.slow
+def test_a_peer_leaves_one_joins_late_and_rejoins_the_others_keep_training(
+    tmp_path, _serial_builds
+):
+    cfg = _swarm_cfg(6, ["a", "b", "c"])
+    _warm(cfg)
+    board = MemoryBoard()
+    out = {}
+
+    def a_holds(step):
+        # a waits after round 2 until c has joined and after round 4 until b has rejoined,
+        # however slowly their threads build (a loaded machine), so the joins happen mid-run
+        if step == 2:
+            _wait_live(board, 2)
+        if step == 4:
+            _wait_live(board, 1)
+
+    def late_c():
+        while not any(r["step"] >= 2 for r in _rows_safe(tmp_path, "a")):
+            time.sleep(0.05)
+        out["c"] = _peer(cfg, 2, board, tmp_path)()
+
+    def b_leaves_and_rejoins():
+        out["b1"] = _peer(cfg, 1, board, tmp_path, leave_at=2, start_peers={0, 1})()
+        while not any(r["step"] >= 4 for r in _rows_safe(tmp_path, "a")):
+            time.sleep(0.05)
+        out["b2"] = _peer(cfg, 1, board, tmp_path, resume=True)()
+
+    _in_threads(
+        {
+            "a": lambda: out.__setitem__(
+                "a", _peer(cfg, 0, board, tmp_path, start_peers={0, 1}, after_step=a_holds)()
+            ),
+            "b": b_leaves_and_rejoins,
+            "c": late_c,
+        }
+    )
+    assert out["a"].last_step == 6 and not out["a"].interrupted
+    assert out["b1"].interrupted and out["b1"].last_step == 2
+    assert out["b2"].last_step == 6 and out["c"].last_step == 6
+    a, b, c = (_rows(tmp_path, n) for n in "abc")
+    assert [r["step"] for r in a] == list(range(7))
+    # c joined at the swarm's round (>= 2), evaluated before training there, trained to the end
+    c_steps = [r["step"] for r in c]
+    assert c_steps == [2, 3, 4, 5, 6] and "eval/accuracy" in c[0]
+    # b resumed from its step-2 checkpoint and skipped to the swarm's current round (5)
+    b_steps = [r["step"] for r in b]
+    assert b_steps[:3] == [0, 1, 2] and b_steps[3] >= 5 and b_steps[-1] == 6
+    # the late joiner trained on a's samples from its first round on (a was live and waited for)
+    assert all(r["swarm/peers_used"] >= 1 for r in c[1:-1])
+    # and a, once c was a member, took c's samples
+    assert any(r["swarm/members"] >= 1 and r["swarm/peers_used"] >= 1 for r in a if r["step"] > 2)
+    assert all(
+        r["exchange/rejected"] == 0 for r in a + b + c if r["step"] > 0 and "exchange/rejected" in r
+    )
+
+
+def _wait_live(board: MemoryBoard, peer: int, timeout_s: float = 600.0) -> None:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        v = board.read("swarm:members").get(peer)
+        if v is not None and v[0] == "live":
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"peer {peer} never became live")
+
+
+def _rows_safe(run_dir: Path, node: str) -> list[dict]:
+    try:
+        return _rows(run_dir, node)
+    except (OSError, ValueError):
+        return []
+
+
+def _batch(prompts: list[int], generator: int) -> RolloutBatch:
+    n, t = len(prompts), 3
+    return RolloutBatch(
+        prompt_index=torch.tensor(prompts, dtype=torch.long),
+        generator=torch.full((n,), generator, dtype=torch.long),
+        completion_ids=torch.full((n, t), 5, dtype=torch.long),
+        lengths=torch.full((n,), t, dtype=torch.long),
+        sampler_logprobs=torch.full((n, t), -1.0),
+    )
+
+
+@pytest.mark.slow
+def test_malformed_stale_and_out_of_round_payloads_are_rejected_and_counted(
+    tmp_path, _serial_builds
+):
+    cfg = _swarm_cfg(3, ["a", "bad"])
+    _warm(cfg)
+    board = MemoryBoard()
+    bad = _transport(board, 1, deadline_s=5.0)
+    codec = RolloutCodec(vocab_size=16, max_tokens=4)
+
+    def adversary():
+        while 0 not in bad.members():  # a has joined (its model is built)
+            time.sleep(0.02)
+        bad.ready()
+        bad.exchange(1, b"\x00garbage", max_bytes=10**6)  # fails to decode
+        bad.exchange(2, codec.encode(_batch([10**6, 10**6], 1)), max_bytes=10**6)  # no such prompt
+        # round 3: a well-formed record of round 2 under round 3's key (stale)
+        board.publish(bad._round_key(3), 1, pack(2, 1, b"old"), board.now() + 60)
+        bad._heartbeat("live", 3)
+
+    out = _in_threads({"a": _peer(cfg, 0, board, tmp_path), "bad": adversary})
+    assert out["a"].last_step == 3
+    rows = {r["step"]: r for r in _rows(tmp_path, "a")}
+    assert rows[1]["exchange/rejected"] == 1 and rows[2]["exchange/rejected"] == 1
+    assert rows[3]["swarm/stale"] == 1 and rows[3]["swarm/peers_seen"] == 0
+    assert rows[3]["swarm/rejected_total"] == 2
+    assert all(rows[s]["swarm/peers_used"] == 0 for s in (1, 2, 3))
+
+
+# ---- a real hivemind DHT on loopback -----------------------------------------------------------
+
+
+def test_rollouts_round_trip_over_a_real_dht_on_loopback():
+    pytest.importorskip("hivemind")
+    from ftis.exchange.dht import DHTBoard
+
+    first = DHTBoard(max_value_bytes=200_000, max_peers=8)
+    try:
+        maddrs = first.maddrs()
+        assert maddrs and all(m.startswith("/ip4/127.0.0.1/") for m in maddrs)
+        second = DHTBoard(maddrs, max_value_bytes=200_000, max_peers=8)
+        try:
+            codec = RolloutCodec(vocab_size=16, max_tokens=4)
+            s = SwarmSettings(deadline_s=10.0, member_ttl_s=30.0, poll_s=0.05)
+            ta = SwarmTransport(first, peer_id=0, max_peers=8, settings=s)
+            tb = SwarmTransport(second, peer_id=1, max_peers=8, settings=s)
+            ta.ready(), tb.ready()
+            sent = {0: _batch([1, 1, 2], 0), 1: _batch([3], 1)}
+            got = _in_threads(
+                {
+                    0: lambda: ta.exchange(1, codec.encode(sent[0]), max_bytes=codec.max_payload),
+                    1: lambda: tb.exchange(1, codec.encode(sent[1]), max_bytes=codec.max_payload),
+                }
+            )
+            back = codec.decode(got[0][1], peer=1)
+            assert torch.equal(back.prompt_index, sent[1].prompt_index)
+            assert torch.equal(back.completion_ids, sent[1].completion_ids)
+            assert torch.equal(codec.decode(got[1][0], peer=0).prompt_index, sent[0].prompt_index)
+            # the validator on the other node refuses records over the size limit
+            assert not second.publish("big", 1, b"z" * 300_000, second.now() + 30)
+        finally:
+            second.close()
+    finally:
+        first.close()
+
+
+@pytest.mark.slow
+def test_real_hivemind_peers_one_killed_one_added_the_others_finish(tmp_path):
+    """`ftis run`'s swarm launcher: three peer processes on a loopback DHT; b is killed after
+    round 2 (no goodbye), c joins at round 2 (at the swarm's round, not from scratch); a and c
+    finish every round."""
+    pytest.importorskip("hivemind")
+    import yaml
+
+    from ftis.algos.swarm.launch import run_swarm
+    from ftis.config import RunConfig
+
+    d = tiny_run_config(steps=12)
+    node = d["nodes"][0]
+    d["nodes"] = [{**node, "name": n} for n in ("a", "b", "c")]
+    d["eval"] = {"every": 6, "size": 16}
+    d["checkpoint"] = {"every": 4}
+    d["algorithm"] = {
+        "kind": "swarm",
+        "backend": "hivemind",
+        "max_peers": 8,
+        "deadline_s": 20.0,  # generous: the test checks liveness, and the machine may be loaded
+        "member_ttl_s": 30.0,  # how long the others wait for the killed b at most
+        "churn": {"b": {"leave_at": 2, "crash": True}, "c": {"join_at": 2}},
+    }
+    cfg = RunConfig.model_validate(d)
+    _warm(cfg)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    result = run_swarm(cfg, tmp_path)
+    assert result.exit_codes == {"a": 0, "b": 0, "c": 0}
+    a, b, c = (_rows(tmp_path, n) for n in "abc")
+    # the initial peers met at the start barrier: both evaluated at step 0 and trained from round
+    # 1, however slow either was to start (model build, DHT start-up, a loaded machine)
+    assert [r["step"] for r in a] == list(range(13))
+    assert [r["step"] for r in b][:3] == [0, 1, 2]
+    assert c[-1]["step"] == 12 and "eval/accuracy" in c[0]
+    if c[1]["swarm/members"] >= 1:  # a was live when c joined: c started at the swarm's round
+        assert c[0]["step"] >= 2
+    # (else a had finished first, as happens when c's process starts slowly: c trained from
+    # scratch, on its own samples and on what the DHT still held of the swarm's rounds)
+    assert any(r["swarm/peers_seen"] >= 1 for r in c[1:])
+    assert max(r["step"] for r in b) < 12  # killed mid-run
+    assert any(r.get("swarm/peers_used", 0) >= 1 for r in a + c)
+    assert all(r["step"] > 0 or "swarm/members" not in r for r in a)
+
+
+# ---- the in-process simulator: churn schedule, virtual time, many peers ------------------------
+
+
+def test_the_churn_schedule_says_who_is_present_when():
+    from ftis.algos.swarm.config import ChurnConfig
+    from ftis.algos.swarm.schedule import presence
+
+    churn = {
+        "always": ChurnConfig(),
+        "late": ChurnConfig(join_at=2),
+        "leaves": ChurnConfig(leave_at=3),
+        "crash": ChurnConfig(leave_at=2, crash=True, rejoin_at=4),
+    }
+    got = {n: [r for r, p in enumerate(v, start=1) if p] for n, v in presence(churn, 6).items()}
+    assert got == {
+        "always": [1, 2, 3, 4, 5, 6],
+        "late": [3, 4, 5, 6],
+        "leaves": [1, 2, 3],
+        "crash": [1, 2, 5, 6],
+    }
+
+
+def test_the_random_churn_keeps_a_quarter_of_64_peers_away_at_every_round():
+    from ftis.algos.swarm.config import ChurnConfig, RandomChurn
+    from ftis.algos.swarm.schedule import generate_churn, presence
+
+    names = [f"p{i}" for i in range(64)]
+    spec = RandomChurn(absent_fraction=0.25, seed=3, slow_fraction=0.1)
+    churn = generate_churn(names[1:], total=64, steps=16, spec=spec, deadline_s=10.0)
+    churn = {n: churn.get(n, ChurnConfig()) for n in names}
+    present = presence(churn, 16)
+    assert [sum(not present[n][r] for n in names) for r in range(16)] == [16] * 16
+    assert all(sum(v) >= 8 for v in present.values())  # everyone stays at least half the run
+    kinds = {
+        "late": any(c.join_at > 0 for c in churn.values()),
+        "crash+rejoin": any(c.crash and c.rejoin_at for c in churn.values()),
+        "leave": any(c.leave_at and not c.rejoin_at for c in churn.values()),
+        "slow": sum(c.slow_s > 0 for c in churn.values()) == 6,  # 10% of the 63 generated
+    }
+    assert all(kinds.values()), kinds
+    assert churn["p0"] == ChurnConfig()  # an explicit entry is left alone
+    again = generate_churn(names[1:], total=64, steps=16, spec=spec, deadline_s=10.0)
+    assert {n: churn[n] for n in again} == again  # a function of the seed
+
+
+def test_random_churn_reads_from_the_churn_section_and_names_bad_fields():
+    d = tiny_run_config(steps=8)
+    d["nodes"] = [{**d["nodes"][0], "name": n} for n in ("a", "b", "c", "d")]
+    d["algorithm"] = {"kind": "swarm", "churn": {"random": {"absent_fraction": 0.25}}}
+    from ftis.config import RunConfig
+
+    cfg = RunConfig.model_validate(d)
+    assert cfg.algorithm.random_churn.absent_fraction == 0.25 and cfg.algorithm.churn == {}
+    assert RunConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # config.yaml round trip
+    d["algorithm"]["churn"] = {"b": {"leave_at": 8}}
+    with pytest.raises(ValueError, match=r"churn.b.leave_at=8 is not before the last round"):
+        RunConfig.model_validate(d)
+
+
+def test_simulated_peers_a_slow_one_is_late_and_counted_virtual_time_costs_nothing():
+    from ftis.exchange.swarm_sim import Scheduler, SimBoard
+
+    sched = Scheduler()
+    board = SimBoard(sched)
+    settings = {"deadline_s": 10.0, "member_ttl_s": 60.0, "poll_s": 0.5}
+    start = frozenset({0, 1, 2})
+    ts = [
+        SwarmTransport(
+            board.view(),
+            peer_id=p,
+            max_peers=8,
+            settings=SwarmSettings(
+                **settings, start_peers=start, publish_delay_s=25.0 if p == 2 else 0.0
+            ),
+            clock=sched.clock,
+        )
+        for p in range(3)
+    ]
+    infos: dict[int, list] = {p: [] for p in range(3)}
+
+    def peer(p):
+        t = ts[p]
+        t.join_step(0)
+        t.ready()
+        for r in range(1, 5):
+            got = t.exchange(r, bytes([p, r]), max_bytes=10)
+            infos[p].append((sorted(got), t.last.late, t.last.timed_out, t.last.published))
+        t.close()
+
+    for p in range(3):
+        sched.spawn(f"p{p}", p, lambda p=p: peer(p))
+    t0 = time.perf_counter()
+    sched.run()
+    assert time.perf_counter() - t0 < 5.0  # tens of virtual seconds of waiting
+    assert sched.t > 30.0
+    assert all(task.error is None for task in sched.tasks)
+    # peer 0 never gets the slow peer's payloads in time: it waits for it until the deadline
+    # (virtual 10 s a round) and counts its round-1 payload as late once it lands (virtual
+    # 25 s, seen at peer 0's round 4 at 30 s); peer 2 took part in round 1 (published: 2), and
+    # lags behind from then on (it enters round 2 at 25 s, after peer 0 left it at 20 s)
+    assert [i[0] for i in infos[0]] == [[1]] * 4
+    assert all(i[2] for i in infos[0]) and [i[3] for i in infos[0]] == [2, 1, 1, 1]
+    assert [i[1] for i in infos[0]] == [0, 0, 0, 1]
+    # the slow peer itself gets everyone's in time
+    assert [i[0] for i in infos[2]] == [[0, 1]] * 4
+
+
+@pytest.mark.slow
+def test_the_simulator_runs_a_swarm_with_churn_and_a_crashed_peer_rejoins_from_its_checkpoint(
+    tmp_path,
+):
+    import json
+
+    from ftis.algos.swarm.launch import run_swarm
+    from ftis.config import RunConfig
+
+    d = tiny_run_config(steps=6)
+    d["nodes"] = [{**d["nodes"][0], "name": n} for n in ("a", "b", "c", "d")]
+    d["nodes"][3]["model"] = {"preset": "qwen2-s"}  # another model in the mix
+    d["eval"] = {"every": 3, "size": 16}
+    d["checkpoint"] = {"every": 2}
+    d["algorithm"] = {
+        "kind": "swarm",
+        "max_peers": 8,
+        "deadline_s": 10.0,
+        "member_ttl_s": 30.0,
+        "churn": {
+            "b": {"leave_at": 3, "crash": True, "rejoin_at": 4},
+            "c": {"join_at": 2},
+            "d": {"slow_s": 15.0},
+        },
+    }
+    cfg = RunConfig.model_validate(d)
+    t0 = time.perf_counter()
+    result = run_swarm(cfg, tmp_path)
+    wall = time.perf_counter() - t0
+    assert result.exit_codes == {"a": 0, "b": 0, "c": 0, "d": 0}
+    a, b, c, dd = (_rows(tmp_path, n) for n in "abcd")
+    assert [r["step"] for r in a] == list(range(7))
+    assert [r["step"] for r in dd] == list(range(7))
+    # c joined once the swarm reached round 2: evaluated there, trained from round 3
+    assert [r["step"] for r in c] == [2, 3, 4, 5, 6] and "eval/accuracy" in c[0]
+    # b crashed after round 3 (its last checkpoint: step 2), rejoined once the swarm reached
+    # round 4 from that checkpoint, and trained from the swarm's round on
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 5, 6]
+    assert sorted(p.name for p in (tmp_path / "nodes" / "b").glob("step-*"))[-1] == "step-000006"
+    # the slow peer's payloads missed the deadline and were counted late; nobody crashed
+    assert any(r.get("swarm/late", 0) >= 1 for r in a)
+    assert all(r["swarm/published"] >= r["swarm/peers_seen"] for r in a[1:])
+    assert all(r["swarm/rejected"] == 0 for r in a[1:] + b[1:] + c[1:] + dd[1:])
+    sched = json.loads((tmp_path / "swarm-schedule.json").read_text())
+    assert sched["absent_per_round"] == [1, 1, 0, 1, 0, 0]
+    assert wall < 120
+
+
+def test_the_shipped_swarm_configs():
+    from ftis.algos.swarm.schedule import presence, resolve_churn
+    from ftis.config import load_config
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    sim = load_config(root / "swarm.yaml")
+    assert sim.algorithm.backend == "sim" and len(sim.nodes) >= 16
+    assert len({n.model.preset for n in sim.nodes}) >= 3
+    present = presence(resolve_churn(sim), sim.train.steps)
+    away = [sum(not v[r] for v in present.values()) for r in range(sim.train.steps)]
+    assert away == [len(sim.nodes) // 4] * sim.train.steps
+    assert load_config(root / "swarm-hivemind.yaml").algorithm.backend == "hivemind"
