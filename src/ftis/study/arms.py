@@ -44,6 +44,7 @@ KIND = "arms"
 RENDERERS = {
     "population": "ftis.study.population_results:render",
     "dpo": "ftis.study.dpo_results:render",
+    "swarm": "ftis.study.swarm_results:render",
 }
 
 

@@ -32,12 +32,19 @@ Status = Literal["done", "incomplete", "todo"]
 
 
 def run_status(run_dir: Path, cfg: RunConfig) -> Status:
-    """'done' when metrics.jsonl has step == train.steps for every node of `cfg`."""
+    """'done' when metrics.jsonl has step == train.steps for every node of `cfg`, or when the
+    sweep recorded the run as done (study-run.json; a swarm peer that left for good by plan has
+    no last-step row)."""
     path = run_dir / "metrics.jsonl"
     if not run_dir.exists():
         return "todo"
     if not path.exists():
         return "incomplete"
+    try:
+        if json.loads((run_dir / RUN_META).read_text()).get("status") == "done":
+            return "done"
+    except (OSError, ValueError, AttributeError):
+        pass
     try:
         rows = read_metrics(path)
     except (OSError, ValueError):

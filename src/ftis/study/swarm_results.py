@@ -1,0 +1,227 @@
+"""The swarm study's document (studies/swarm.yaml, `results: swarm`): peers that come and go,
+simulated (many peers) and real (hivemind processes), against the same peers without churn.
+
+Who should be present when is a function of the run config (ftis.algos.swarm.schedule), so the
+document compares the schedule with the rows: a peer "finished" when its last row is at its
+last scheduled round; "stayed" means present for at least half the rounds. Accuracy is greedy
+`eval/accuracy` on the run's task: a peer's first evaluation (round 0, or where it joined)
+against its last.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from ftis.study.arms import ArmResult, document_head, document_tail, image, save_figure
+from ftis.study.results import _table
+from ftis.study.spec import Study
+
+ACC = "eval/accuracy"
+
+
+def _presence(res: ArmResult) -> dict[str, list[bool]]:
+    from ftis.algos.swarm.schedule import presence, resolve_churn
+
+    cfg = res.run.config
+    return presence(resolve_churn(cfg), cfg.train.steps)
+
+
+def _preset(res: ArmResult, node: str) -> str:
+    n = next(n for n in res.run.config.nodes if n.name == node)
+    return n.model.preset or str(n.model.path)
+
+
+def _evals(res: ArmResult, node: str) -> dict[int, float]:
+    return {int(r["step"]): float(r[ACC]) for r in res.node_rows(node) if ACC in r}
+
+
+def _total(res: ArmResult, node: str, key: str) -> float:
+    return max((float(r[key]) for r in res.node_rows(node) if key in r), default=0.0)
+
+
+def _sum(res: ArmResult, key: str) -> float:
+    return sum(float(r[key]) for r in res.rows if key in r)
+
+
+def run_summary(res: ArmResult) -> dict[str, Any]:
+    """The figures of one run: presence, completion, exchange counts, accuracy."""
+    pres = _presence(res)
+    steps = res.run.config.train.steps
+    nodes = res.nodes
+    absent = [sum(not pres[n][r] for n in nodes) / len(nodes) for r in range(steps)]
+    finished = 0
+    stayed_gain, improved, stayed = [], 0, 0
+    for n in nodes:
+        rounds = [r + 1 for r in range(steps) if pres[n][r]]
+        last_row = max((int(r["step"]) for r in res.node_rows(n)), default=-1)
+        finished += bool(rounds) and last_row == rounds[-1]
+        ev = _evals(res, n)
+        if len(rounds) * 2 >= steps and len(ev) >= 2:
+            stayed += 1
+            first, last = ev[min(ev)], ev[max(ev)]
+            stayed_gain.append(last - first)
+            improved += last > first
+    received, published = _sum(res, "swarm/samples_received"), _sum(res, "swarm/samples_published")
+    seen, members = _sum(res, "swarm/peers_seen"), _sum(res, "swarm/members")
+    return {
+        "peers": len(nodes),
+        "presets": len({_preset(res, n) for n in nodes}),
+        "absent_mean": statistics.fmean(absent),
+        "absent_max": max(absent),
+        "finished": finished,
+        "expected": sum(any(pres[n]) for n in nodes),
+        "received_ratio": received / published if published else None,
+        "seen_ratio": seen / members if members else None,
+        "rejected": sum(_total(res, n, "swarm/rejected_total") for n in nodes),
+        "stale": sum(_total(res, n, "swarm/stale_total") for n in nodes),
+        "late": sum(_total(res, n, "swarm/late_total") for n in nodes),
+        "stayed": stayed,
+        "improved": improved,
+        "gain": statistics.fmean(stayed_gain) if stayed_gain else None,
+    }
+
+
+def summary_table(study: Study, results: list[ArmResult]) -> list[str]:
+    rows = []
+    for res in results:
+        s = run_summary(res)
+        arm = study.spec.arms[res.run.arm]  # type: ignore[attr-defined]
+        rows.append(
+            [
+                f"{arm.label or res.run.arm} (seed {res.run.seed})",
+                f"{s['peers']} ({s['presets']} models)",
+                f"{100 * s['absent_mean']:.0f}% (max {100 * s['absent_max']:.0f}%)",
+                f"{s['finished']} of {s['expected']}",
+                "-" if s["received_ratio"] is None else f"{s['received_ratio']:.3f}",
+                "-" if s["seen_ratio"] is None else f"{s['seen_ratio']:.3f}",
+                f"{s['rejected']:.0f} / {s['stale']:.0f} / {s['late']:.0f}",
+                f"{s['improved']} of {s['stayed']}",
+                "-" if s["gain"] is None else f"{100 * s['gain']:+.1f}",
+            ]
+        )
+    header = [
+        "run",
+        "peers",
+        "absent per round (scheduled)",
+        "peers that finished their schedule",
+        "samples received / published by present peers",
+        "payloads in time / live members",
+        "rejected / stale / late payloads",
+        "peers (stayed >= half) that improved",
+        "mean gain, those peers (pp)",
+    ]
+    return _table(header, rows) if rows else ["_No complete runs yet._"]
+
+
+def preset_table(study: Study, results: list[ArmResult]) -> list[str]:
+    """Mean first -> last accuracy per model, per run (peers that stayed at least half)."""
+    rows = []
+    for res in results:
+        pres = _presence(res)
+        steps = res.run.config.train.steps
+        per: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        for n in res.nodes:
+            ev = _evals(res, n)
+            if sum(pres[n]) * 2 >= steps and len(ev) >= 2:
+                per[_preset(res, n)].append((ev[min(ev)], ev[max(ev)]))
+        arm = study.spec.arms[res.run.arm]  # type: ignore[attr-defined]
+        for preset, pairs in per.items():
+            first = statistics.fmean(a for a, _ in pairs)
+            last = statistics.fmean(b for _, b in pairs)
+            rows.append(
+                [
+                    f"{arm.label or res.run.arm} (seed {res.run.seed})",
+                    preset,
+                    str(len(pairs)),
+                    f"{100 * first:.1f} -> {100 * last:.1f}",
+                    f"{100 * min(b - a for a, b in pairs):+.1f} .. {100 * max(b - a for a, b in pairs):+.1f}",
+                ]
+            )
+    header = ["run", "model", "peers", "mean accuracy, first -> last eval", "range of gains (pp)"]
+    return _table(header, rows) if rows else []
+
+
+def plot(study: Study, results: list[ArmResult], path: Path) -> bool:
+    """Per model: mean accuracy of the peers present at each evaluated round, one line per run;
+    below, samples received / published per round (simulated runs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = sorted({_preset(r, n) for r in results for n in r.nodes})
+    if not presets:
+        return False
+    fig, axes = plt.subplots(1, len(presets) + 1, figsize=(4.6 * (len(presets) + 1), 3.8))
+    for res in results:
+        arm = study.spec.arms[res.run.arm]  # type: ignore[attr-defined]
+        label = f"{arm.label or res.run.arm} s{res.run.seed}"
+        style = "--" if "steady" in res.run.arm or "no churn" in label else "-"
+        for ax, preset in zip(axes, presets, strict=False):
+            per: dict[int, list[float]] = defaultdict(list)
+            for n in res.nodes:
+                if _preset(res, n) == preset:
+                    for s, v in _evals(res, n).items():
+                        per[s].append(v)
+            if per:
+                xs = sorted(per)
+                ax.plot(
+                    xs, [100 * statistics.fmean(per[x]) for x in xs], style, marker="o", label=label
+                )
+            ax.set_title(preset, fontsize=10)
+            ax.set_xlabel("round", fontsize=8)
+            ax.set_ylabel("mean greedy accuracy of the peers there (%)", fontsize=8)
+            ax.grid(alpha=0.3)
+        rec: dict[int, list[float]] = defaultdict(list)
+        pub: dict[int, list[float]] = defaultdict(list)
+        for r in res.rows:
+            if "swarm/samples_published" in r and "swarm/samples_received" in r:
+                rec[int(r["step"])].append(float(r["swarm/samples_received"]))
+                pub[int(r["step"])].append(float(r["swarm/samples_published"]))
+        xs = [x for x in sorted(rec) if sum(pub[x]) > 0]
+        if xs:
+            axes[-1].plot(
+                xs, [sum(rec[x]) / sum(pub[x]) for x in xs], style, marker="o", label=label
+            )
+    axes[-1].set_title("samples received / published", fontsize=10)
+    axes[-1].set_xlabel("round", fontsize=8)
+    axes[-1].grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    save_figure(fig, path)
+    return True
+
+
+def render(
+    study: Study,
+    results: list[ArmResult],
+    missing: list[str],
+    out_dir: Path,
+    report_path: Path,
+    reading: str,
+) -> str:
+    assets = report_path.parent / "results" / report_path.stem
+    L = document_head(
+        study,
+        results,
+        missing,
+        out_dir,
+        title="F-TIS among peers that come and go",
+        note="One run per arm and seed; the schedule of who is present is the config's.",
+    )
+    L += ["## Every run", "", *summary_table(study, results), ""]
+    pt = preset_table(study, results)
+    if pt:
+        L += ["## Accuracy per model", "", *pt, ""]
+    if plot(study, results, assets / "swarm.png"):
+        L += [
+            image(assets / "swarm.png", report_path, "accuracy per model and samples received"),
+            "",
+        ]
+    L += document_tail(results, out_dir, reading)
+    return "\n".join(L)
+
+
+__all__ = ["render", "run_summary"]
