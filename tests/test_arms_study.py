@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from ftis.cli import app
 from ftis.study import StudyError, plan
-from ftis.study.arms import is_arms_study, load_arms_study, write_arms_results
+from ftis.study.arms import collect, is_arms_study, load_arms_study, write_arms_results
 from ftis.study.population_results import interpolate
 from tests.conftest import tiny_run_config
 
@@ -274,3 +274,57 @@ def test_dpo_document_numbers(tmp_path):
     )
     assert "| fed S1 | 1 of 4 | 0 | last-participation | 0.00 ± 0.00 | 75.0 ± 0.0 |" in text
     assert (tmp_path / "results" / "dpo" / "consensus.png").exists()
+
+
+def test_swarm_document_numbers(tmp_path):
+    """A 4-peer run written by hand: one joins after round 2, one leaves for good after round
+    2; the summary compares the rows with that schedule."""
+    from ftis.study.swarm_results import run_summary
+
+    nodes = [{"name": f"p{i}", "model": {"preset": "llama-xs"}} for i in range(4)]
+    cfg = {
+        "name": "sw",
+        "task": {"kind": "arithmetic", "ops": {"+": 1.0}, "max_digits": 2},
+        "nodes": nodes,
+        "train": {"steps": 4},
+        "algorithm": {"kind": "swarm", "churn": {"p2": {"join_at": 2}, "p3": {"leave_at": 2}}},
+    }
+    (tmp_path / "sw.yaml").write_text(yaml.safe_dump(cfg))
+    spec = {
+        "kind": "arms",
+        "name": "sw",
+        "out": str(tmp_path / "out"),
+        "report": str(tmp_path / "sw.md"),
+        "results": "swarm",
+        "seeds": [0],
+        "arms": {"churn": {"config": "sw.yaml", "label": "churn"}},
+    }
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    study = load_arms_study(tmp_path / "study.yaml")
+    present = {"p0": [1, 2, 3, 4], "p1": [1, 2, 3, 4], "p2": [3, 4], "p3": [1, 2]}
+    rows = []
+    for n, rounds in present.items():
+        first = rounds[0] - 1
+        rows.append({"step": first, "node": n, "eval/accuracy": 0.2})
+        for r in rounds:
+            row = {"step": r, "node": n, "swarm/samples_received": 8, "swarm/samples_published": 10}
+            row.update({"swarm/peers_seen": 2, "swarm/members": 2, "swarm/late_total": 1})
+            if r == rounds[-1]:
+                row["eval/accuracy"] = 0.3 if n != "p1" else 0.1
+            rows.append(row)
+    run = study.runs[0]
+    _write_run(tmp_path / "out" / run.id, run.config, rows)
+    (tmp_path / "out" / run.id / "study-run.json").write_text(json.dumps({"status": "done"}))
+    text = write_arms_results(study).read_text()
+    (result,), missing = collect(study, tmp_path / "out")
+    assert not missing
+    s = run_summary(result)
+    # rounds 1-2: p2 away; rounds 3-4: p3 away -> a quarter absent every round
+    assert s["absent_mean"] == 0.25 and s["finished"] == 4 and s["expected"] == 4
+    assert s["received_ratio"] == 0.8 and s["seen_ratio"] == 1.0 and s["late"] == 4
+    # every peer stayed >= half the run; p1 got worse
+    assert s["stayed"] == 4 and s["improved"] == 3
+    assert (
+        "| churn (seed 0) | 4 (1 models) | 25% (max 25%) | 4 of 4 | 0.800 | 1.000 | 0 / 0 / 4 | 3 of 4 |"
+        in text
+    )

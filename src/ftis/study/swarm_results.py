@@ -107,7 +107,7 @@ def summary_table(study: Study, results: list[ArmResult]) -> list[str]:
         "peers",
         "absent per round (scheduled)",
         "peers that finished their schedule",
-        "samples received / published by present peers",
+        "peer samples trained on / published by the present peers",
         "payloads in time / live members",
         "rejected / stale / late payloads",
         "peers (stayed >= half) that improved",
@@ -211,7 +211,16 @@ def render(
         title="F-TIS among peers that come and go",
         note="One run per arm and seed; the schedule of who is present is the config's.",
     )
-    L += ["## Every run", "", *summary_table(study, results), ""]
+    L += [
+        "## Every run",
+        "",
+        "Delivery is the share of the live members whose payload arrived before the deadline; "
+        "a peer trains on its own samples and at most `algorithm.max_peers_used` peers' batches "
+        "of those (all of them when unset), which caps the samples it trains on.",
+        "",
+        *summary_table(study, results),
+        "",
+    ]
     pt = preset_table(study, results)
     if pt:
         L += ["## Accuracy per model", "", *pt, ""]
