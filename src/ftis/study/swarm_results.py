@@ -65,7 +65,12 @@ def run_summary(res: ArmResult) -> dict[str, Any]:
             stayed_gain.append(last - first)
             improved += last > first
     received, published = _sum(res, "swarm/samples_received"), _sum(res, "swarm/samples_published")
-    seen, members = _sum(res, "swarm/peers_seen"), _sum(res, "swarm/members")
+    seen = expected = 0.0  # payloads in time, against the other peers the schedule has there
+    for r in res.rows:
+        step = int(r["step"])
+        if "swarm/peers_seen" in r and 1 <= step <= steps:
+            seen += float(r["swarm/peers_seen"])
+            expected += sum(pres[n][step - 1] for n in nodes if n != r.get("node"))
     return {
         "peers": len(nodes),
         "presets": len({_preset(res, n) for n in nodes}),
@@ -74,7 +79,7 @@ def run_summary(res: ArmResult) -> dict[str, Any]:
         "finished": finished,
         "expected": sum(any(pres[n]) for n in nodes),
         "received_ratio": received / published if published else None,
-        "seen_ratio": seen / members if members else None,
+        "seen_ratio": seen / expected if expected else None,
         "rejected": sum(_total(res, n, "swarm/rejected_total") for n in nodes),
         "stale": sum(_total(res, n, "swarm/stale_total") for n in nodes),
         "late": sum(_total(res, n, "swarm/late_total") for n in nodes),
@@ -108,7 +113,7 @@ def summary_table(study: Study, results: list[ArmResult]) -> list[str]:
         "absent per round (scheduled)",
         "peers that finished their schedule",
         "peer samples trained on / published by the present peers",
-        "payloads in time / live members",
+        "payloads in time / other peers scheduled there",
         "rejected / stale / late payloads",
         "peers (stayed >= half) that improved",
         "mean gain, those peers (pp)",
@@ -145,8 +150,9 @@ def preset_table(study: Study, results: list[ArmResult]) -> list[str]:
 
 
 def plot(study: Study, results: list[ArmResult], path: Path) -> bool:
-    """Per model: mean accuracy of the peers present at each evaluated round, one line per run;
-    below, samples received / published per round (simulated runs)."""
+    """Per model: mean accuracy of the peers evaluated at each regular evaluation round (a
+    joiner's evaluation at its join round is left out), one line per run; last panel: peer
+    samples trained on / published per round (simulated runs)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -162,10 +168,12 @@ def plot(study: Study, results: list[ArmResult], path: Path) -> bool:
         style = "--" if "steady" in res.run.arm or "no churn" in label else "-"
         for ax, preset in zip(axes, presets, strict=False):
             per: dict[int, list[float]] = defaultdict(list)
+            every, last = res.run.config.eval.every, res.run.config.train.steps
             for n in res.nodes:
                 if _preset(res, n) == preset:
                     for s, v in _evals(res, n).items():
-                        per[s].append(v)
+                        if s in (0, last) or (every and s % every == 0):  # not join evals
+                            per[s].append(v)
             if per:
                 xs = sorted(per)
                 ax.plot(
@@ -186,7 +194,7 @@ def plot(study: Study, results: list[ArmResult], path: Path) -> bool:
             axes[-1].plot(
                 xs, [sum(rec[x]) / sum(pub[x]) for x in xs], style, marker="o", label=label
             )
-    axes[-1].set_title("samples received / published", fontsize=10)
+    axes[-1].set_title("peer samples trained on / published", fontsize=10)
     axes[-1].set_xlabel("round", fontsize=8)
     axes[-1].grid(alpha=0.3)
     axes[0].legend(fontsize=7)
@@ -214,7 +222,8 @@ def render(
     L += [
         "## Every run",
         "",
-        "Delivery is the share of the live members whose payload arrived before the deadline; "
+        "Delivery is the share of the other peers the schedule has present in a round whose "
+        "payload arrived before the deadline (a slow peer's come late by design); "
         "a peer trains on its own samples and at most `algorithm.max_peers_used` peers' batches "
         "of those (all of them when unset), which caps the samples it trains on.",
         "",
