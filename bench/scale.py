@@ -605,7 +605,10 @@ def run(quick: bool, config: ScaleConfig | None = None) -> dict:
     """Every figure twice: `*_s` from the wall clock and `*_cpu_s` from the process's CPU
     time. With one thread per process the CPU time is the work itself, unaffected by other jobs
     taking the cores; ratios and utilisation use it (the matmul peak is measured the same way),
-    the wall-clock ratios are reported beside them."""
+    the wall-clock ratios are reported beside them. FTIS_BENCH_SCALE=tiny runs TINY instead
+    (the test suite's end-to-end check of `ftis bench --quick --json`: same code, seconds)."""
+    if config is None and os.environ.get("FTIS_BENCH_SCALE") == "tiny":
+        config = TINY
     c = config or (QUICK if quick else FULL)
     base = dict(preset=c.preset, prompts=c.prompts, group=c.group, micro_batch=c.micro_batch)
     out: dict = {"config": asdict(c), "params_m": _params_m(c.preset), "load_before": _load()}
