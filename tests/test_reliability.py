@@ -179,15 +179,39 @@ def test_nan_sampler_logprobs_are_refused_by_the_wire_and_skipped_by_the_update(
 
 
 def test_a_nan_log_prob_on_the_wire_is_a_payload_error():
-    node = _node()
-    data = bytearray(encode_rollouts(_batch(node), vocab_size=len(node.tokenizer)))
-    nan = bytes(bytearray(torch.tensor([float("nan")]).numpy().tobytes()))
-    data[-8:-4] = nan  # the last f32 log-prob, before the CRC
+    """A NaN can reach a receiver two ways: a version-1 sender's plain f32 log-probs, or a
+    version-2 exact payload whose exponent would decode to inf/NaN. Both are payload errors."""
+    import struct
     import zlib
 
-    data[-4:] = zlib.crc32(bytes(data[:-4])).to_bytes(4, "little")
+    from tests.exchange.test_wire import CHAR_VOCAB, craft
+
+    v1 = craft(version=1, lps=struct.pack("<3f", -1, float("nan"), -1))
     with pytest.raises(PayloadError, match="not finite"):
-        decode_rollouts(bytes(data), vocab_size=len(node.tokenizer), max_tokens=5)
+        decode_rollouts(v1, vocab_size=CHAR_VOCAB, max_tokens=5)
+    node = _node()
+    data = bytearray(encode_rollouts(_batch(node), vocab_size=len(node.tokenizer)))
+    good = decode_rollouts(bytes(data), vocab_size=len(node.tokenizer), max_tokens=5)
+    assert torch.isfinite(good.sampler_logprobs).all()
+    # the exact format's log-prob section starts with e_top: the largest exponent sent, which a
+    # sender of finite values never sets to 255 (the exponent of inf and NaN)
+    e_top = (
+        int(torch.floor(torch.log2(-good.sampler_logprobs[good.sampler_logprobs < 0])).max()) + 127
+    )
+    where = [i for i in range(len(data) - 4) if data[i] == e_top]
+    assert where, "e_top byte not found"
+    hits = 0
+    for i in where:
+        bad = bytearray(data)
+        bad[i] = 255
+        bad[-4:] = zlib.crc32(bytes(bad[:-4])).to_bytes(4, "little")
+        try:
+            out = decode_rollouts(bytes(bad), vocab_size=len(node.tokenizer), max_tokens=5)
+        except PayloadError as e:
+            hits += "e_top 255" in str(e)
+        else:  # a byte elsewhere with the same value: still no non-finite value may come out
+            assert torch.isfinite(out.sampler_logprobs).all()
+    assert hits == 1
 
 
 def test_nan_logits_skip_the_update_and_are_counted(tmp_path, monkeypatch):
