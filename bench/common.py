@@ -28,6 +28,53 @@ def bench_model(quick: bool) -> tuple[str, str]:
     return preset, str(warm_start(ModelConfig(preset=preset), ws, TASK))
 
 
+def train_trl_grpo(model, tok, rows: list[dict], reward, *, lr: float, callback, **args) -> None:
+    """Train TRL's GRPOTrainer on `rows` with the settings both TRL baselines share (CPU, no
+    logging or saving, temperature 1 with no top-k/top-p, beta 0, loss `grpo`, AdamW at a
+    constant `lr`, grad clip 1, fp32, seed 0, data in order) and `args` (batch, generations,
+    lengths, steps): the same trainer for bench/trl_step.py and bench/scale.py."""
+    import tempfile
+
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    with tempfile.TemporaryDirectory() as out:
+        config = GRPOConfig(
+            output_dir=out,
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            beta=0.0,
+            loss_type="grpo",
+            learning_rate=lr,
+            max_grad_norm=1.0,
+            optim="adamw_torch",
+            weight_decay=0.0,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            bf16=False,
+            fp16=False,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            seed=0,
+            shuffle_dataset=False,
+            num_iterations=1,
+            **args,
+        )
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=config,
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tok,
+            callbacks=[callback],
+        )
+        trainer.train()
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 

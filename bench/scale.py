@@ -291,13 +291,9 @@ def ftis_step(cfg: dict) -> dict:
 
 
 def trl_step(cfg: dict) -> dict:
-    import tempfile
-
-    from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
 
-    from bench.common import TASK
+    from bench.common import TASK, train_trl_grpo
     from ftis.tasks import build_task
 
     model, tok = _model(cfg["preset"])
@@ -324,49 +320,23 @@ def trl_step(cfg: dict) -> dict:
             cpu.append(time.process_time() - self.c0)
 
     mb = cfg["micro_batch"]
-    with tempfile.TemporaryDirectory() as out:
-        args = GRPOConfig(
-            output_dir=out,
-            use_cpu=True,
-            report_to="none",
-            save_strategy="no",
-            logging_strategy="no",
-            per_device_train_batch_size=mb,
-            gradient_accumulation_steps=B * G // mb,
-            steps_per_generation=B * G // mb,
-            num_generations=G,
-            num_iterations=1,
-            max_completion_length=T,
-            # every completion exactly T tokens, as on the ftis side
-            generation_kwargs={"min_new_tokens": T},
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            beta=0.0,
-            loss_type="grpo",
-            learning_rate=LR,
-            max_grad_norm=1.0,
-            optim="adamw_torch",
-            weight_decay=0.0,
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            max_steps=total,
-            bf16=False,
-            fp16=False,
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-            seed=0,
-            shuffle_dataset=False,
-        )
-        trainer = GRPOTrainer(
-            model=model,
-            reward_funcs=reward,
-            args=args,
-            train_dataset=Dataset.from_list(rows),
-            processing_class=tok,
-            callbacks=[Timer()],
-        )
-        trainer.train()
+    train_trl_grpo(
+        model,
+        tok,
+        rows,
+        reward,
+        lr=LR,
+        callback=Timer(),
+        logging_strategy="no",
+        per_device_train_batch_size=mb,
+        gradient_accumulation_steps=B * G // mb,
+        steps_per_generation=B * G // mb,
+        num_generations=G,
+        max_completion_length=T,
+        # every completion exactly T tokens, as on the ftis side
+        generation_kwargs={"min_new_tokens": T},
+        max_steps=total,
+    )
     return {"step": times[cfg["warmup"] :], "step_cpu": cpu[cfg["warmup"] :]}
 
 

@@ -8,10 +8,9 @@ warm-up steps, the two trainers run one after the other, twice, interleaved.
 
 from __future__ import annotations
 
-import tempfile
 import time
 
-from bench.common import TASK, median
+from bench.common import TASK, median, train_trl_grpo
 from ftis.algos.ftis import sharing
 from ftis.config import LossConfig, NodeConfig, OptimConfig, TrainConfig
 from ftis.models.loading import ModelConfig, build_model, load_tokenizer
@@ -73,9 +72,7 @@ def ftis_steps(
 def trl_steps(
     model_path: str, *, prompts: int, group: int, length: int, steps: int, warmup: int
 ) -> tuple[list[float], float]:
-    from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
 
     task = build_task(TASK)
     cfg = ModelConfig(path=model_path)
@@ -105,48 +102,22 @@ def trl_steps(
             if logs and "completions/mean_length" in logs:
                 lengths.append(float(logs["completions/mean_length"]))
 
-    with tempfile.TemporaryDirectory() as out:
-        args = GRPOConfig(
-            output_dir=out,
-            use_cpu=True,
-            report_to="none",
-            save_strategy="no",
-            logging_strategy="steps",
-            logging_steps=1,
-            per_device_train_batch_size=prompts * group,
-            num_generations=group,
-            gradient_accumulation_steps=1,
-            steps_per_generation=1,
-            num_iterations=1,
-            max_completion_length=length,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            beta=0.0,
-            loss_type="grpo",
-            learning_rate=LR,
-            max_grad_norm=1.0,
-            optim="adamw_torch",
-            weight_decay=0.0,
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            max_steps=steps + warmup,
-            bf16=False,
-            fp16=False,
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-            seed=0,
-            shuffle_dataset=False,
-        )
-        trainer = GRPOTrainer(
-            model=model,
-            reward_funcs=reward,
-            args=args,
-            train_dataset=Dataset.from_list(rows),
-            processing_class=tok,
-            callbacks=[Timer()],
-        )
-        trainer.train()
+    train_trl_grpo(
+        model,
+        tok,
+        rows,
+        reward,
+        lr=LR,
+        callback=Timer(),
+        logging_strategy="steps",
+        logging_steps=1,
+        per_device_train_batch_size=prompts * group,
+        num_generations=group,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        max_completion_length=length,
+        max_steps=steps + warmup,
+    )
     return times[warmup:], (sum(lengths[warmup:]) / max(len(lengths[warmup:]), 1))
 
 
