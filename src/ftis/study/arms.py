@@ -205,16 +205,10 @@ def write_arms_results(
     study: Study, *, out_dir: Path | None = None, report_path: Path | None = None
 ) -> Path:
     """Regenerate the study's document (and its plots) from its run directories."""
-    from ftis.study.results import existing_reading
+    from ftis.study.results import write_document
 
-    out_dir = Path(out_dir) if out_dir else study.out_dir
-    report_path = Path(report_path) if report_path else Path(study.spec.report)
-    results, missing = collect(study, out_dir)
-    reading = existing_reading(report_path)
-    report_path.parent.mkdir(parents=True, exist_ok=True)
-    text = renderer(study.spec.results)(study, results, missing, out_dir, report_path, reading)  # type: ignore[attr-defined]
-    report_path.write_text(text)
-    return report_path
+    render = renderer(study.spec.results)  # type: ignore[attr-defined]
+    return write_document(study, out_dir, report_path, collect=collect, render=render)
 
 
 def arm_config(study: Study, arm: str) -> RunConfig:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import os
 import statistics
 from collections.abc import Iterable
@@ -19,11 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from ftis.study.fgrpo import CLIENT_EVAL, FGRPORun, FGRPOStudy, run_state
-from ftis.study.results import READING_BEGIN, READING_END, existing_reading, fmt_pct, mean_std
+from ftis.study.results import READING_BEGIN, READING_END, fmt_pct, mean_std, write_document
 from ftis.study.runner import RUN_META, STUDY_LOG
 from ftis.train.metrics import read_metrics
-
-log = logging.getLogger(__name__)
 
 MEAN = "mean over clients"
 
@@ -652,11 +649,4 @@ def write_fgrpo_results(
     study: FGRPOStudy, *, out_dir: Path | None = None, report_path: Path | None = None
 ) -> Path:
     """Regenerate the study's results document (and its plots) from its run directories."""
-    out_dir = Path(out_dir) if out_dir else study.out_dir
-    report_path = Path(report_path) if report_path else Path(study.spec.report)
-    results, missing = collect(study, out_dir)
-    reading = existing_reading(report_path)
-    report_path.parent.mkdir(parents=True, exist_ok=True)
-    report_path.write_text(render(study, results, missing, out_dir, report_path, reading))
-    log.info("results: %s (%d of %d runs complete)", report_path, len(results), len(study.runs))
-    return report_path
+    return write_document(study, out_dir, report_path, collect=collect, render=render)

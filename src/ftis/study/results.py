@@ -914,16 +914,25 @@ def existing_reading(path: Path) -> str:
     return ""
 
 
-def write_results(
-    study: Study, *, out_dir: Path | None = None, report_path: Path | None = None
+def write_document(
+    study: Any, out_dir: Path | None, report_path: Path | None, *, collect, render
 ) -> Path:
-    """Regenerate the results document (and its plots) from the study's run directories."""
+    """Regenerate a study's document (and its plots) from its run directories: `collect(study,
+    out_dir)` gives (results, missing), `render(study, results, missing, out_dir, report_path,
+    reading)` the text; the hand-written reading of the existing document is carried over. The
+    one writer of every kind of study (grid, FGRPO, arms)."""
     out_dir = Path(out_dir) if out_dir else study.out_dir
     report_path = Path(report_path) if report_path else Path(study.spec.report)
     results, missing = collect(study, out_dir)
     reading = existing_reading(report_path)
     report_path.parent.mkdir(parents=True, exist_ok=True)
-    text = render(study, results, missing, out_dir, report_path, reading)
-    report_path.write_text(text)
+    report_path.write_text(render(study, results, missing, out_dir, report_path, reading))
     log.info("results: %s (%d of %d runs complete)", report_path, len(results), len(study.runs))
     return report_path
+
+
+def write_results(
+    study: Study, *, out_dir: Path | None = None, report_path: Path | None = None
+) -> Path:
+    """Regenerate the results document (and its plots) from the study's run directories."""
+    return write_document(study, out_dir, report_path, collect=collect, render=render)
