@@ -308,3 +308,30 @@ def test_a_node_that_cannot_start_fails_the_run_with_its_reason(tmp_path):
     assert res.exit_code == 2, res.output
     assert "b: cannot load" in res.output and "no-such-model" in res.output
     assert "Traceback" not in res.output
+
+
+def test_hacpo_trains_on_joint_groups_and_logs_its_mechanisms(tmp_path):
+    data = tiny_run_config(steps=2, prompts_per_step=2)
+    data["nodes"] = _nodes(("a", {"preset": "llama-xs"}), ("b", {"preset": "qwen2-s"}))
+    for n in data["nodes"]:
+        n["loss"] = {"method": "hacpo"}
+    data["sharing"] = {"scheme": "joint"}
+    data["train"].update(update_epochs=2, mini_batches=2)
+    res, out = _run(tmp_path, data)
+    assert res.exit_code == 0, res.output
+    rows = _rows(out)
+    for node in ("a", "b"):
+        trained = [r for r in rows if r["node"] == node and r["step"] > 0]
+        assert len(trained) == 2
+        for r in trained:
+            # joint groups: the peer answered both prompts with its own G = 4
+            assert r["exchange/sequences_received"] == 2 * 4
+            assert r["train/optimizer_steps"] == 4
+            assert 0.0 <= r["hacpo/capability"] <= 1.0
+            assert 0.1 <= r["hacpo/discrepancy"] <= 10.0
+            assert r["hacpo/irregular_sequences"] == 0
+            # each node's capability is what the other sees as its peer's (one verifier)
+        other = "b" if node == "a" else "a"
+        for r in trained:
+            peer_row = next(x for x in rows if x["node"] == other and x["step"] == r["step"])
+            assert r["hacpo/peer_capability"] == peer_row["hacpo/capability"]

@@ -54,7 +54,8 @@ class LossConfig(_Strict):
 
     method: str = Field(
         "f-tis",
-        description="One of nois, vis (= grpo), tis, reco, f-nois, f-vis, f-tis, f-reco.",
+        description="One of nois, vis (= grpo), tis, reco, f-nois, f-vis, f-tis, f-reco, "
+        "gspo, hacpo (docs/math.md §12; hacpo needs sharing.scheme: joint).",
     )
     is_cap: float = Field(2.0, gt=0, description="C: cap on the per-token IS weight (tis).")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range (vis).")
@@ -96,6 +97,50 @@ class LossConfig(_Strict):
         "gradient step moves r further out ('direction') or PPO's rule on the advantage's sign "
         "alone ('sign').",
     )
+    shaping_gamma: float | None = Field(
+        None,
+        description="Policy shaping of peers' tokens (LUFFY, docs/math.md §13): a peer token's "
+        "term becomes -A p/(p + gamma) of the receiver's probability p; own tokens keep the "
+        "method's term. Token-level methods only (nois, vis, tis, reco and f-*). null: off; "
+        "0.1 is LUFFY's value.",
+    )
+    gspo_eps_low: float = Field(
+        3e-4, gt=0, lt=1, description="gspo/hacpo: lower clip range of the sequence ratio."
+    )
+    gspo_eps_high: float = Field(
+        4e-4, gt=0, description="gspo/hacpo: upper clip range of the sequence ratio."
+    )
+    hacpo_alpha: float = Field(
+        1.0, ge=0, description="hacpo: stop-gradient power alpha of a peer sample's weight."
+    )
+    hacpo_clip_lower: float = Field(
+        0.8, ge=0, le=1, description="hacpo: lower clamp of a peer's sequence ratio at update 0."
+    )
+    hacpo_clip_step: float = Field(
+        0.025, ge=0, description="hacpo: how much the lower clamp rises per optimizer update."
+    )
+    hacpo_window: int = Field(
+        5, ge=1, description="hacpo: training steps in the capability's moving average (K)."
+    )
+
+    @field_validator("shaping_gamma")
+    @classmethod
+    def _positive_gamma(cls, v: float | None) -> float | None:
+        if v is not None and not v > 0:
+            raise ValueError(
+                f"loss.shaping_gamma must be > 0 (LUFFY uses 0.1), or null to turn shaping off; "
+                f"got {v}"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _shaping_needs_token_method(self) -> LossConfig:
+        if self.shaping_gamma is not None and self.method in ("gspo", "hacpo"):
+            raise ValueError(
+                f"loss.shaping_gamma applies to token-level methods (f-tis, tis, nois, ...), not "
+                f"{self.method!r}: remove loss.shaping_gamma or choose another loss.method"
+            )
+        return self
 
     @field_validator("method")
     @classmethod
@@ -194,9 +239,11 @@ class EvalConfig(_Strict):
 
 
 class SharingConfig(_Strict):
-    scheme: Literal["vertical", "horizontal"] = Field(
+    scheme: Literal["vertical", "horizontal", "joint"] = Field(
         "vertical",
-        description="vertical: each node generates whole groups; horizontal: mixed groups.",
+        description="vertical: each node generates whole groups; horizontal: mixed groups; "
+        "joint: every node answers every prompt with G completions (HACPO's joint groups of "
+        "n x G).",
     )
 
 

@@ -121,6 +121,7 @@ def test_registry_and_method_names() -> None:
     assert set(LOSS_METHODS) == {
         *("nois", "vis", "tis", "f-nois", "f-vis", "f-tis", "grpo"),
         *("reco", "f-reco"),
+        *("gspo", "hacpo"),  # sequence-level (tests/core/test_hacpo.py)
     }
     assert resolve_method("f-tis") == ("tis", True)
     lp, glp, adv, mask = hand_example()
@@ -496,7 +497,8 @@ def test_low_precision_inputs_compute_in_fp32() -> None:
 def test_metrics_are_detached_scalars(method: str) -> None:
     lp, glp, adv, mask = random_batch(seed=5)
     _, metrics = policy_loss(lp, glp, adv, mask, method=method)
-    assert set(metrics) == METRIC_NAMES
+    extra = {"peer_frac", "peer_clipped_frac"} if method == "hacpo" else set()
+    assert set(metrics) == METRIC_NAMES | extra
     for name, value in metrics.items():
         assert value.ndim == 0, name
         assert not value.requires_grad, name

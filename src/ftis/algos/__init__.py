@@ -55,6 +55,20 @@ class FTISConfig(AlgorithmConfig):
 
     kind: Literal["ftis"] = "ftis"
 
+    def check_run(self, run) -> None:
+        hacpo = [n.name for n in run.nodes if n.loss.method == "hacpo"]
+        if hacpo and run.sharing.scheme != "joint":
+            raise ValueError(
+                f"loss.method hacpo (nodes {', '.join(hacpo)}) trains on joint groups: every "
+                f"node answers every prompt with G completions; set sharing.scheme: joint "
+                f"(it is {run.sharing.scheme!r})"
+            )
+        if hacpo and len(run.nodes) < 2:
+            raise ValueError(
+                "loss.method hacpo needs at least 2 nodes to form joint groups; for one node "
+                "alone use loss.method gspo (HACPO's baseline)"
+            )
+
 
 Factory = Callable[["NodeContext"], "Algorithm"]
 Serve = Callable[["ServiceContext"], None]

@@ -34,7 +34,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from ftis.core.hacpo import gspo_ratio, gspo_term, peer_term
 from ftis.core.reco import variance_ratio
+from ftis.core.shaping import luffy_weight
 
 # Log-ratios are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exp (docs/math.md §3.4):
 # exp(20) ~ 4.9e8 is far beyond any cap or clip range, and finite in fp32.
@@ -169,11 +171,17 @@ METHOD_ALIASES: dict[str, str] = {"grpo": "vis"}
 # The paper's family first (its names, filtered names and aliases), then later terms with theirs.
 _PAPER_TERMS = ("nois", "vis", "tis")
 _LATER_TERMS = tuple(name for name in TOKEN_TERMS if name not in _PAPER_TERMS)
+# Sequence-level methods (docs/math.md §12): one ratio per sequence, no filtered variants.
+# gspo: GSPO on every sequence; hacpo: GSPO on the receiver's own sequences, HACPO's clamped
+# exponential IS term on peers' (the capability-aware advantages and the discrepancy
+# coefficient are computed by the caller and come in as `advantages` and `peer_scale`).
+SEQUENCE_METHODS: tuple[str, ...] = ("gspo", "hacpo")
 LOSS_METHODS: tuple[str, ...] = (
     *_PAPER_TERMS,
     *(FILTER_PREFIX + name for name in _PAPER_TERMS),
     *METHOD_ALIASES,
     *(m for name in _LATER_TERMS for m in (name, FILTER_PREFIX + name)),
+    *SEQUENCE_METHODS,
 )
 
 
@@ -268,8 +276,15 @@ def policy_loss(
     reco_token_ratio: bool = True,
     reco_tis: bool = False,
     reco_clip: RecoClip = "direction",
+    own: Tensor | None = None,
+    shaping_gamma: float | None = None,
+    peer_scale: Tensor | None = None,
+    peer_clip_lower: float = 0.8,
+    hacpo_alpha: float = 1.0,
+    gspo_eps_low: float = 3e-4,
+    gspo_eps_high: float = 4e-4,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The policy loss of docs/math.md §3-§5 and §8.
+    """The policy loss of docs/math.md §3-§5, §8, §12 and §13.
 
     ``L = (1/N) sum_i (1/|a_i|) sum_t mask[i,t] * l[i,t]``, with l the method's per-token term.
 
@@ -313,6 +328,18 @@ def policy_loss(
             detached (§8.3: a truncated ReCo for peers' samples).
         reco_clip: ``reco`` only: "direction" (default) or "sign", which out-of-range tokens
             the clip masks (§8.3).
+        own: (N,) bool, True for the receiver's own sequences, False for peers'; None: all own.
+            Used by ``hacpo`` and by shaping.
+        shaping_gamma: token-level methods only: replace the per-token term of every *peer*
+            token by LUFFY's ``-f(p) A`` with ``f(p) = p / (p + gamma)``, p the receiver's token
+            probability (§13); own tokens keep the method's term, and the filter still decides
+            on the unweighted advantages. None: off.
+        peer_scale: ``hacpo`` only: (N,) HACPO's discrepancy coefficient omega of each peer
+            sequence's generator (ignored on own sequences); None: 1.
+        peer_clip_lower: ``hacpo`` only: lo_m, the lower clamp of a peer sequence's ratio at
+            this optimizer update (``ftis.core.hacpo.peer_clip_lower``).
+        hacpo_alpha: ``hacpo`` only: the stop-gradient power of the peer weight.
+        gspo_eps_low, gspo_eps_high: ``gspo``/``hacpo``: GSPO's sequence clip range.
 
     Returns:
         ``(loss, metrics)``: loss a scalar tensor (fp32 or wider); metrics 0-dim tensors without
@@ -321,9 +348,19 @@ def policy_loss(
         ``is_weight_mean``, ``is_weight_max`` (ratio ``exp(lp - glp)`` over masked tokens,
         before truncation), ``truncated_frac`` (masked tokens with ratio > C), ``clip_frac``
         (VIS and ReCo: masked tokens whose clip was active, else 0), ``filter_stat_mean`` (mean
-        D_i over non-empty sequences, reported for every method).
+        D_i over non-empty sequences, reported for every method). ``hacpo`` adds ``peer_frac``
+        (the fraction of this call's sequences that are peers') and ``peer_clipped_frac`` (the
+        fraction that are peers' with a ratio outside [peer_clip_lower, 1], hence no gradient);
+        for the sequence methods ``clip_frac`` counts sequences, not tokens.
     """
     term_name, use_filter = resolve_method(method)
+    if shaping_gamma is not None and not shaping_gamma > 0:
+        raise ValueError(f"shaping_gamma must be > 0 (or None: off), got {shaping_gamma}")
+    if own is not None and (own.dtype != torch.bool or tuple(own.shape) != logprobs.shape[:1]):
+        raise ValueError(
+            f"own must be a bool tensor of shape ({logprobs.shape[0]},), got "
+            f"{own.dtype} {tuple(own.shape)}"
+        )
     _check_inputs(logprobs, sampler_logprobs, advantages, mask)
     _check_options(is_cap, clip_eps, filter_threshold, filter_stat_norm, filter_mode)
     _check_padded_width(padded_width)
@@ -354,6 +391,29 @@ def policy_loss(
     adv = torch.where(filtered, torch.zeros_like(adv), adv)
     if sequence_weights is not None:
         adv = adv * sequence_weights.detach().to(device=adv.device, dtype=adv.dtype)
+    denominator = _loss_denominator(num_local, filtered, filter_mode, num_sequences, dtype=lp.dtype)
+
+    if term_name in SEQUENCE_METHODS:
+        return _sequence_loss(
+            term_name,
+            lp=lp,
+            glp=glp,
+            adv=adv,
+            mask=mask,
+            own=own,
+            peer_scale=peer_scale,
+            lower=peer_clip_lower,
+            alpha=hacpo_alpha,
+            eps=(gspo_eps_low, gspo_eps_high),
+            denominator=denominator,
+            base_metrics=dict(
+                log_ratio=log_ratio,
+                mask=mask,
+                filtered=filtered,
+                divergence=divergence,
+                is_cap=is_cap,
+            ),
+        )
 
     term = TOKEN_TERMS[term_name](
         TokenTermInputs(
@@ -366,8 +426,11 @@ def policy_loss(
             reco=RecoOptions(token_ratio=reco_token_ratio, tis=reco_tis, clip=reco_clip),
         )
     )
-    denominator = _loss_denominator(num_local, filtered, filter_mode, num_sequences, dtype=lp.dtype)
-    loss = _aggregate(term.per_token, mask) / denominator
+    per_token = term.per_token
+    if shaping_gamma is not None and own is not None:
+        shaped = -luffy_weight(lp, shaping_gamma) * adv[:, None]
+        per_token = torch.where(own.to(lp.device)[:, None], per_token, shaped)
+    loss = _aggregate(per_token, mask) / denominator
 
     metrics = _metrics(
         loss=loss,
@@ -378,6 +441,47 @@ def policy_loss(
         clipped=term.clipped,
         is_cap=is_cap,
     )
+    return loss, metrics
+
+
+def _sequence_loss(
+    name: str,
+    *,
+    lp: Tensor,
+    glp: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    own: Tensor | None,
+    peer_scale: Tensor | None,
+    lower: float,
+    alpha: float,
+    eps: tuple[float, float],
+    denominator: Tensor | float,
+    base_metrics: dict,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO / HACPO: one ratio and one loss term per sequence, averaged over N (§12)."""
+    ratio = gspo_ratio(lp, glp, mask)
+    own_term = gspo_term(ratio, adv, eps_low=eps[0], eps_high=eps[1])
+    with torch.no_grad():
+        clipped = (ratio < 1.0 - eps[0]) | (ratio > 1.0 + eps[1])
+    if name == "hacpo":
+        is_own = torch.ones_like(adv, dtype=torch.bool) if own is None else own.to(adv.device)
+        omega = torch.ones_like(adv) if peer_scale is None else peer_scale.to(adv)
+        per_seq = torch.where(is_own, own_term, peer_term(ratio, adv, omega, lower, alpha))
+        with torch.no_grad():
+            peer_out = ~is_own & ((ratio < lower) | (ratio > 1.0))
+            clipped = torch.where(is_own, clipped, peer_out)
+    else:
+        per_seq = own_term
+    # an empty completion has no token to move: it contributes 0, as under the token methods
+    per_seq = torch.where(mask.any(dim=1), per_seq, torch.zeros_like(per_seq))
+    loss = per_seq.sum() / denominator
+    metrics = _metrics(loss=loss, clipped=None, **base_metrics)
+    with torch.no_grad():
+        metrics["clip_frac"] = _safe_mean(clipped, torch.ones_like(clipped))
+        if name == "hacpo":
+            metrics["peer_frac"] = _safe_mean(~is_own, torch.ones_like(is_own))
+            metrics["peer_clipped_frac"] = _safe_mean(peer_out, torch.ones_like(peer_out))
     return loss, metrics
 
 

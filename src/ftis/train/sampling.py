@@ -46,9 +46,12 @@ def generate(
     if not problems or num_samples == 0:
         return RolloutBatch.empty(tok.pad_token_id)
     prompts = [task.prompt_ids(p, tok) for p in problems]
+    # A joint group (sharing.scheme joint) has n x G slots; a prefix of a group's noise is the
+    # same whatever its length, so slot s gets the same uniforms under every scheme.
+    slots_total = max(cfg.group_size, first + num_samples)
     noise = torch.cat(
         [
-            group_noise(cfg.seed, step, p.index, cfg.group_size, cfg.max_new_tokens)[
+            group_noise(cfg.seed, step, p.index, slots_total, cfg.max_new_tokens)[
                 first : first + num_samples
             ]
             for p in problems

@@ -16,6 +16,7 @@ import math
 import torch
 
 from ftis.config import LossConfig, TrainConfig
+from ftis.core.hacpo import peer_clip_lower
 from ftis.core.losses import drop_mode_grad_scale, policy_loss, resolve_method
 from ftis.core.reco import reco_weights, variance_ratio_summary
 from ftis.models.logprobs import shared_prompt_completion_logprobs
@@ -43,6 +44,9 @@ def update(
     skip_zero_advantage: bool = True,
     sequence_weights: torch.Tensor | None = None,
     group_size: int | None = None,
+    own: torch.Tensor | None = None,
+    peer_scale: torch.Tensor | None = None,
+    update_index: int = 0,
 ) -> dict[str, float]:
     """One optimizer step on `batch`: receiver log-probs, policy loss, backward, clip, step.
 
@@ -65,6 +69,11 @@ def update(
     docs/math.md §8.1), computed over the whole round's batch when `batch` is one of its
     mini-batches. None: under a reco method with `reco_response_weights`, computed here over
     `batch` (with `group_size`, default the largest group's size), else no weights.
+
+    own: (N,) bool, True for this node's own sequences (None: all own): peers' sequences get
+    the loss's peer treatment (policy shaping, HACPO's peer term). peer_scale: (N,) HACPO's
+    discrepancy coefficient per sequence. update_index: m, the optimizer updates already made
+    on this round's batch (HACPO's stepwise clip lower bound rises with it).
     """
     tok = node.tokenizer
     n_total = batch.num_sequences
@@ -77,6 +86,8 @@ def update(
             batch, advantages = batch.select(active), advantages[active]
             if sequence_weights is not None:
                 sequence_weights = sequence_weights[active]
+            own = None if own is None else own[active]
+            peer_scale = None if peer_scale is None else peer_scale[active]
     n = batch.num_sequences
     train = task.split("train")
     prompt_cache: dict[int, list[int]] = {}
@@ -89,6 +100,7 @@ def update(
     mask_all = batch.mask
     width_all = max(int(batch.lengths.max()), 1) if n else 1  # for the "padded" filter statistic
     kept_total = 0.0
+    lower = peer_clip_lower(update_index, loss_cfg.hacpo_clip_lower, loss_cfg.hacpo_clip_step)
     for start in range(0, n, mb):
         sl = slice(start, min(start + mb, n))
         # Each prompt of the micro-batch runs through the model once; its G completions share
@@ -127,6 +139,13 @@ def update(
             reco_token_ratio=loss_cfg.reco_token_ratio,
             reco_tis=loss_cfg.reco_tis,
             reco_clip=loss_cfg.reco_clip,
+            own=None if own is None else own[sl].to(dev),
+            shaping_gamma=loss_cfg.shaping_gamma,
+            peer_scale=None if peer_scale is None else peer_scale[sl].to(dev),
+            peer_clip_lower=lower,
+            hacpo_alpha=loss_cfg.hacpo_alpha,
+            gspo_eps_low=loss_cfg.gspo_eps_low,
+            gspo_eps_high=loss_cfg.gspo_eps_high,
         )
         if reco and loss_cfg.reco_token_ratio:
             metrics.update(
@@ -271,13 +290,16 @@ def train_on_round(
     *,
     train: TrainConfig,
     step: int,
+    own: torch.Tensor | None = None,
+    peer_scale: torch.Tensor | None = None,
 ) -> tuple[dict[str, float], int]:
     """The optimizer steps of one generation round: one on the whole batch by default, else
     `train.update_epochs` passes of `train.mini_batches` shuffled mini-batches. Advantages and
     ReCo's response weights come from the whole round (whole groups); the sampler log-probs stay
     the sampler's in every pass. Returns (`loss/*` metrics: means over the steps, maxima for
     *_max, minima for *_min, and `train/optimizer_steps`; the number of steps skipped as
-    non-finite: the others still run)."""
+    non-finite: the others still run). `own` and `peer_scale` are per sequence of `batch`, as
+    in `update`; the m-th optimizer step of the round gets update_index m."""
     loss_cfg = node.cfg.loss
     weights = response_weights(batch, loss_cfg, group_size=train.group_size)
     plan = round_plan(
@@ -288,11 +310,13 @@ def train_on_round(
     )
     done: list[dict[str, float]] = []
     skipped = 0
-    for idx in plan:
-        part, part_adv, part_w = batch, advantages, weights
+    for m, idx in enumerate(plan):
+        part, part_adv, part_w, part_own, part_scale = batch, advantages, weights, own, peer_scale
         if idx is not None:
             part, part_adv = batch.select(idx), advantages[idx]
             part_w = None if weights is None else weights[idx]
+            part_own = None if own is None else own[idx]
+            part_scale = None if peer_scale is None else peer_scale[idx]
         try:
             done.append(
                 update(
@@ -305,6 +329,9 @@ def train_on_round(
                     temperature=train.temperature,
                     sequence_weights=part_w,
                     group_size=train.group_size,
+                    own=part_own,
+                    peer_scale=part_scale,
+                    update_index=m,
                 )
             )
         except NonFiniteError as e:

@@ -21,6 +21,7 @@ import torch
 from ftis.algos.base import NodeContext
 from ftis.algos.ftis import sharing
 from ftis.algos.ftis.adversary import adversarial
+from ftis.algos.ftis.hacpo import Capabilities, joint_advantages
 from ftis.exchange.codec import RolloutCodec, RolloutExchange
 from ftis.rollout.types import RolloutBatch
 from ftis.train import scoring
@@ -63,12 +64,19 @@ class FTISAlgorithm:
             "forward_tokens_total": 0.0,
         }
         self._prompt_len: dict[int, int] = {}  # train-split index -> prompt tokens
+        loss = ctx.node.cfg.loss
+        self.hacpo = Capabilities(loss.hacpo_window) if loss.method == "hacpo" else None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"counters": dict(self.counters)}
+        state: dict[str, Any] = {"counters": dict(self.counters)}
+        if self.hacpo is not None:
+            state["hacpo"] = self.hacpo.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.counters.update(state.get("counters", {}))
+        if self.hacpo is not None and "hacpo" in state:
+            self.hacpo.load_state_dict(state["hacpo"])
 
     def evaluate(self, step: int) -> dict[str, float]:
         tc = self.cfg.train
@@ -134,10 +142,23 @@ class FTISAlgorithm:
                     skipped_groups,
                 )
                 batch, rewards = batch.select(~lonely), rewards[~lonely]
-            adv = scoring.advantages_for(batch, rewards, self.node.cfg.loss.advantage_scale)
-        metrics: dict[str, float] = {"train/skipped_groups": float(skipped_groups)}
+            peer_scale = None
+            metrics: dict[str, float] = {"train/skipped_groups": float(skipped_groups)}
+            if self.hacpo is None:
+                adv = scoring.advantages_for(batch, rewards, self.node.cfg.loss.advantage_scale)
+            else:
+                self.hacpo.record(batch, rewards)
+                adv, peer_scale, hacpo_metrics = joint_advantages(
+                    batch, rewards, self.hacpo, learner=self.rank
+                )
+                metrics.update(hacpo_metrics)
         with self.timer("update"):
-            metrics.update(self._update(batch, adv, step))
+            metrics.update(self._update(batch, adv, step, peer_scale=peer_scale))
+        if self.hacpo is not None and metrics.get("loss/peer_frac", 0.0) > 0:
+            # the fraction of peers' (active) samples whose ratio fell outside the clip window
+            metrics["hacpo/clipped_fraction"] = (
+                metrics["loss/peer_clipped_frac"] / metrics["loss/peer_frac"]
+            )
         metrics["reward/non_finite"] = float(bad_rewards)
         metrics.update(_reward_metrics(batch, rewards, self.rank))
         self.counters["generated_tokens_total"] += own.num_tokens
@@ -194,9 +215,23 @@ class FTISAlgorithm:
                 rejected += 1
         return rejected
 
-    def _update(self, batch: RolloutBatch, adv: torch.Tensor, step: int) -> dict[str, float]:
+    def _update(
+        self,
+        batch: RolloutBatch,
+        adv: torch.Tensor,
+        step: int,
+        *,
+        peer_scale: torch.Tensor | None = None,
+    ) -> dict[str, float]:
         out, skipped = train_on_round(
-            self.node, self.task, batch, adv, train=self.cfg.train, step=step
+            self.node,
+            self.task,
+            batch,
+            adv,
+            train=self.cfg.train,
+            step=step,
+            own=batch.generator == self.rank,
+            peer_scale=peer_scale,
         )
         out["train/skipped_update"] = skipped
         self.counters["skipped_updates_total"] += skipped

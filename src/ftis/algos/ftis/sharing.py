@@ -2,6 +2,8 @@
 
 vertical: the step's prompts are dealt out among the nodes; each samples whole groups of G.
 horizontal: every node samples its share of the G completions of every prompt.
+joint: every node samples G completions of every prompt (HACPO's setting): a prompt's joint
+group holds n x G completions, G from each node, in completion slots rank * G ... rank * G + G - 1.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def assign_prompts(indices: list[int], *, rank: int, world_size: int, scheme: st
 
     vertical: prompts are dealt out round-robin; each node samples whole groups of G.
     horizontal: every node samples its share of G for every prompt (`sample_slots`).
+    joint: every node samples G for every prompt.
     """
     if scheme == "vertical":
         return indices[rank::world_size]
@@ -36,6 +39,8 @@ def sample_slots(*, rank: int, world_size: int, scheme: str, group_size: int) ->
     """(first slot, number of slots) of a group's G completion slots that this node samples."""
     if scheme == "vertical":
         return 0, group_size
+    if scheme == "joint":
+        return rank * group_size, group_size
     base, extra = divmod(group_size, world_size)
     return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
 

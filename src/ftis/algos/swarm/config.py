@@ -134,6 +134,13 @@ class SwarmConfig(AlgorithmConfig):
 
     def check_run(self, run: Any) -> None:
         names = [n.name for n in run.nodes]
+        hacpo = [n.name for n in run.nodes if n.loss.method == "hacpo"]
+        if hacpo:
+            raise ValueError(
+                f"loss.method hacpo (nodes {', '.join(hacpo)}) is not supported in a swarm yet: "
+                "its capability estimates assume a fixed membership; use algorithm.kind ftis "
+                "with sharing.scheme joint, or another loss in the swarm"
+            )
         unknown = sorted(set(self.churn) - set(names))
         if unknown:
             raise ValueError(

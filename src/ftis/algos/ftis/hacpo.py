@@ -1,0 +1,97 @@
+"""HACPO's bookkeeping for one learner (docs/math.md §12; shared/spec/hacpo.md): the capability
+of every agent (mechanism 1) and, from it, a step's capability-aware advantages (mechanism 2)
+and discrepancy coefficients (mechanism 3). The loss (mechanism 4) is ftis.core.losses'
+``hacpo`` method.
+
+**ftis:** the learner computes every agent's success rate itself, from the rewards its own
+verifier gives that agent's completions at the step, instead of trusting a rate the agent
+reports in its payload. With one task the two are the same number; a peer cannot inflate its
+capability (and so the weight of its samples) by lying about it, and nothing extra travels.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+
+from ftis.core.hacpo import discrepancy, hacpo_advantages
+from ftis.rollout.types import RolloutBatch
+
+
+class Capabilities:
+    """P_j: each agent's mean success rate (reward > 0) over its last `window` training steps
+    (the steps so far, before `window` of them), keyed by the agent's rank."""
+
+    def __init__(self, window: int = 5) -> None:
+        self.window = window
+        self.history: dict[int, deque[float]] = {}
+
+    def record(self, batch: RolloutBatch, rewards: torch.Tensor) -> None:
+        """Add this step's success rate of every agent that has completions in `batch`."""
+        for j in sorted(set(batch.generator.tolist())):
+            rate = float((rewards[batch.generator == j] > 0).float().mean())
+            self.history.setdefault(j, deque(maxlen=self.window)).append(rate)
+
+    def get(self, rank: int) -> float:
+        h = self.history.get(rank)
+        return sum(h) / len(h) if h else 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": self.window, "history": {j: list(h) for j, h in self.history.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = {
+            int(j): deque(h, maxlen=self.window) for j, h in state.get("history", {}).items()
+        }
+
+
+def joint_advantages(
+    batch: RolloutBatch,
+    rewards: torch.Tensor,
+    caps: Capabilities,
+    *,
+    learner: int,
+    max_reward: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """(N,) capability-aware advantages, (N,) discrepancy coefficients (1 on own sequences) and
+    metrics, for a batch of joint groups (one per prompt) and the learner of rank `learner`.
+
+    A group's agents are those with completions for its prompt; an agent whose count differs
+    from the learner's own in that group (a short or lost share) is left out of the group
+    (advantage 0, counted as ``hacpo/irregular_sequences``): the joint group is (n, G).
+    """
+    adv = torch.zeros(batch.num_sequences, dtype=torch.float32)
+    omega = torch.ones(batch.num_sequences, dtype=torch.float32)
+    irregular = 0
+    for prompt in torch.unique(batch.prompt_index).tolist():
+        in_group = batch.prompt_index == prompt
+        agents = sorted(set(batch.generator[in_group].tolist()))
+        if learner not in agents:
+            irregular += int(in_group.sum())
+            continue
+        rows = {j: torch.nonzero(in_group & (batch.generator == j)).flatten() for j in agents}
+        size = rows[learner].numel()
+        kept = [j for j in agents if rows[j].numel() == size]
+        irregular += sum(rows[j].numel() for j in agents if j not in kept)
+        if size == 0:
+            continue
+        cap = torch.tensor([caps.get(j) for j in kept], dtype=torch.float32)
+        k = kept.index(learner)
+        group_rewards = torch.stack([rewards[rows[j]] for j in kept])
+        group_adv = hacpo_advantages(group_rewards, cap, k, max_reward=max_reward)
+        group_omega = discrepancy(cap, k)
+        for r, j in enumerate(kept):
+            adv[rows[j]] = group_adv[r]
+            omega[rows[j]] = group_omega[r]
+    peers = batch.generator != learner
+    peer_ranks = sorted({j for j in batch.generator.tolist() if j != learner})
+    metrics = {
+        "hacpo/capability": caps.get(learner),
+        "hacpo/irregular_sequences": float(irregular),
+    }
+    if peer_ranks:
+        metrics["hacpo/peer_capability"] = sum(caps.get(j) for j in peer_ranks) / len(peer_ranks)
+        metrics["hacpo/discrepancy"] = float(omega[peers].mean())
+    return adv, omega, metrics

@@ -1,0 +1,105 @@
+"""HACPO / shaping configs that cannot work are refused with one clear error; the joint
+scheme's sample slots and HACPO's per-learner bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from ftis.algos.ftis import sharing
+from ftis.algos.ftis.hacpo import Capabilities, joint_advantages
+from ftis.config import RunConfig
+from ftis.rollout.types import RolloutBatch
+
+
+def _cfg(method="hacpo", scheme="joint", nodes=2, **loss):
+    return {
+        "nodes": [
+            {"name": f"n{i}", "model": {"preset": "llama-xs"}, "loss": {"method": method, **loss}}
+            for i in range(nodes)
+        ],
+        "sharing": {"scheme": scheme},
+    }
+
+
+def test_hacpo_without_joint_groups_is_refused_naming_the_fix():
+    with pytest.raises(ValidationError, match="set sharing.scheme: joint"):
+        RunConfig.model_validate(_cfg(scheme="vertical"))
+    with pytest.raises(ValidationError, match="use loss.method gspo"):
+        RunConfig.model_validate(_cfg(nodes=1))
+    RunConfig.model_validate(_cfg())  # the working config
+
+
+@pytest.mark.parametrize("gamma", [0.0, -0.1])
+def test_shaping_gamma_must_be_positive(gamma):
+    with pytest.raises(ValidationError, match="shaping_gamma must be > 0"):
+        RunConfig.model_validate(_cfg(method="f-tis", scheme="vertical", shaping_gamma=gamma))
+
+
+def test_shaping_is_refused_on_sequence_methods():
+    with pytest.raises(ValidationError, match="token-level methods"):
+        RunConfig.model_validate(_cfg(method="gspo", scheme="vertical", shaping_gamma=0.1))
+
+
+def test_joint_scheme_gives_every_node_g_slots_of_every_prompt():
+    idx = [5, 2, 7]
+    assert sharing.assign_prompts(idx, rank=1, world_size=2, scheme="joint") == idx
+    assert sharing.sample_slots(rank=0, world_size=2, scheme="joint", group_size=4) == (0, 4)
+    assert sharing.sample_slots(rank=1, world_size=2, scheme="joint", group_size=4) == (4, 4)
+    quota = sharing.peer_prompt_quota(idx, peer=1, world_size=2, scheme="joint", group_size=4)
+    assert quota == {5: 4, 2: 4, 7: 4}
+
+
+def _batch(prompt, gen):
+    n = len(prompt)
+    return RolloutBatch(
+        prompt_index=torch.tensor(prompt),
+        generator=torch.tensor(gen),
+        completion_ids=torch.ones(n, 1, dtype=torch.long),
+        lengths=torch.ones(n, dtype=torch.long),
+        sampler_logprobs=torch.zeros(n, 1),
+    )
+
+
+def test_capability_is_a_moving_average_over_the_window():
+    caps = Capabilities(window=2)
+    b = _batch([0, 0, 0, 0], [0, 0, 1, 1])
+    caps.record(b, torch.tensor([1.0, 0.0, 1.0, 1.0]))  # rates: agent 0 0.5, agent 1 1.0
+    caps.record(b, torch.tensor([0.0, 0.0, 0.0, 1.0]))  # 0.0, 0.5
+    caps.record(b, torch.tensor([1.0, 1.0, 0.0, 0.0]))  # 1.0, 0.0
+    assert caps.get(0) == pytest.approx((0.0 + 1.0) / 2)  # the last 2 steps only
+    assert caps.get(1) == pytest.approx((0.5 + 0.0) / 2)
+    assert caps.get(9) == 0.0
+    again = Capabilities(window=2)
+    again.load_state_dict(caps.state_dict())
+    assert again.get(0) == caps.get(0) and again.get(1) == caps.get(1)
+
+
+def test_joint_advantages_per_prompt_with_discrepancy_and_an_irregular_share():
+    # prompt 3: learner 0's two completions rewards [1, 0], peer 1's [1, 1];
+    # capabilities after recording this step: P_0 = 1/2... computed over the whole batch:
+    # agent 0: rewards [1, 0, 0, 0] -> 0.25; agent 1: [1, 1, 1] -> 1.0
+    # prompt 3: w = [1, clip(0.25/1) = 0.25]; mu = (1 + 0 + 0.25 + 0.25)/4 = 0.375;
+    # sigma = std([1,0,1,1]) = 0.5 (+1e-6): A = (r - 0.375)/0.500001
+    # omega of peer 1 = clip(1.0/0.25) = 4.
+    # prompt 8: learner has 2 completions, the peer only 1: the peer is left out (irregular),
+    # and the learner's own group [0, 0] has equal rewards: A = 0.
+    b = _batch([3, 3, 3, 3, 8, 8, 8], [0, 0, 1, 1, 0, 0, 1])
+    r = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0])
+    caps = Capabilities(window=5)
+    caps.record(b, r)
+    adv, omega, m = joint_advantages(b, r, caps, learner=0)
+    expect = (torch.tensor([1.0, 0.0, 1.0, 1.0]) - 0.375) / 0.500001
+    torch.testing.assert_close(adv[:4], expect)
+    assert torch.equal(adv[4:], torch.zeros(3))
+    torch.testing.assert_close(omega, torch.tensor([1.0, 1.0, 4.0, 4.0, 1.0, 1.0, 1.0]))
+    assert m["hacpo/irregular_sequences"] == 1.0
+    assert m["hacpo/capability"] == 0.25 and m["hacpo/peer_capability"] == 1.0
+
+
+def test_hacpo_in_a_swarm_is_refused_with_the_alternative():
+    data = _cfg()
+    data["algorithm"] = {"kind": "swarm", "backend": "sim"}
+    with pytest.raises(ValidationError, match="not supported in a swarm"):
+        RunConfig.model_validate(data)
