@@ -9,9 +9,9 @@ at one of two resolutions:
 
     per-seed scalars       a[s], b[s] (e.g. final accuracy): the bootstrap resamples seeds.
     per-problem outcomes   a[s, p], b[s, p] in {0, 1} on the same P problems for every seed
-                           (evals.jsonl): the bootstrap resamples seeds, then problems within
-                           each resampled seed, the same problems for A and B (they are paired
-                           by problem as well as by seed).
+                           (evals.jsonl): the bootstrap resamples seeds and, independently,
+                           problems; one draw of problems serves every drawn seed and both
+                           methods (they are paired by problem as well as by seed).
 
 The reading may call A better or worse than B only where the interval excludes zero
 (`verdict`). Equal generated tokens: `at_equal_tokens` reads B's curve at A's token budget, seed
@@ -133,9 +133,10 @@ def paired_difference(
 
     Per-seed scalars: d_s = a_s - b_s; each resample draws S seeds with replacement and takes
     the mean of their d. Per-problem outcomes (docs/math.md §11): d_sp = a_sp - b_sp; each
-    resample draws S seeds with replacement, then for each drawn seed P problems with
-    replacement (one draw shared by A and B), and takes the mean over seeds of the mean over
-    problems. The interval is the (1-c)/2 and (1+c)/2 quantiles of the resampled means."""
+    resample draws S seeds with replacement and P problems with replacement (one draw of
+    problems for every drawn seed and for A and B alike: the problems are the same), and takes
+    the mean over the drawn seeds of the mean over the drawn problems. The interval is the
+    (1-c)/2 and (1+c)/2 quantiles of the resampled means."""
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
     if resamples < 1:
@@ -183,27 +184,22 @@ def paired_difference(
 
 
 def _problem_bootstrap(d: np.ndarray, *, resamples: int, seed: int) -> np.ndarray:
-    """(resamples,) means of the two-level bootstrap of d (S, P), vectorised.
+    """(resamples,) means of the seeds-and-problems bootstrap of d (S, P), vectorised.
 
-    Resampling P problems with replacement from seed s and averaging only depends on how many
-    times each distinct value of d[s] is drawn: those counts are Multinomial(P, f_s), f_s the
-    frequencies of the distinct values in d[s]. For 0/1 outcomes d takes at most three values
-    (-1, 0, +1), so one multinomial draw of three counts replaces P index draws (exact, not an
-    approximation; docs/math.md §11)."""
+    Every seed is evaluated on the same P problems (the split's fixed order), so one resample
+    draws S seeds with replacement and one multiset of P problems with replacement, shared by
+    every drawn seed and by both methods (docs/math.md §11). The draw of problems only matters
+    through how often each distinct column d[:, p] is drawn: those counts are Multinomial(P, f),
+    f the frequencies of the distinct columns. For 0/1 outcomes there are at most 3^S of them
+    (at most P), so R multinomial draws over them replace R x P index draws, exactly."""
     S, P = d.shape
-    values, inverse = np.unique(d, return_inverse=True)  # (U,), (S*P,)
-    inverse = inverse.reshape(S, P)
-    if len(values) > 64:
-        raise ValueError(
-            f"per-problem differences take {len(values)} distinct values; the problem-level "
-            "bootstrap expects outcomes in {0, 1} (or interpolations of them): pass per-seed "
-            "scalars instead"
-        )
-    freq = np.stack([np.bincount(row, minlength=len(values)) for row in inverse]) / P  # (S, U)
+    columns, inverse = np.unique(d.T, axis=0, return_inverse=True)  # (U, S), (P,)
+    freq = np.bincount(inverse.ravel(), minlength=len(columns)) / P  # (U,)
     rng = np.random.default_rng(seed)
-    seeds = rng.integers(0, S, size=(resamples, S))  # (R, S) drawn seeds
-    counts = rng.multinomial(P, freq[seeds])  # (R, S, U) draws of each value within a seed
-    return (counts @ values).mean(axis=1) / P
+    counts = rng.multinomial(P, freq, size=resamples)  # (R, U) problems drawn per column
+    per_seed = counts @ columns / P  # (R, S) each seed's mean over the drawn problems
+    drawn = rng.integers(0, S, size=(resamples, S))  # (R, S) the drawn seeds
+    return np.take_along_axis(per_seed, drawn, axis=1).mean(axis=1)
 
 
 # ------------------------------------------------------------------- equal generated tokens
