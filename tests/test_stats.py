@@ -236,3 +236,24 @@ def test_read_evals_refuses_a_split_that_changes_size(tmp_path):
     (tmp_path / "evals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ValueError, match="different sizes"):
         stats.read_evals(tmp_path)
+
+
+def test_token_curve_pairs_outcomes_with_generated_tokens(tmp_path):
+    evals = [
+        {"step": 0, "node": "a", "split": "test", "n": 2, "correct": "00"},  # 0, 0
+        {"step": 2, "node": "a", "split": "test", "n": 2, "correct": "80"},  # 1, 0
+    ]
+    metrics = [
+        {"step": 0, "node": "a", "eval/accuracy": 0.0},  # no tokens before training: 0
+        {"step": 1, "node": "a", "train/generated_tokens_total": 40.0},
+        {"step": 2, "node": "a", "train/generated_tokens_total": 80.0},
+        {"step": 2, "node": "b", "train/generated_tokens_total": 999.0},  # another node's
+    ]
+    for name, rows in (("evals.jsonl", evals), ("metrics.jsonl", metrics)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokens, correct = stats.token_curve(tmp_path, "a", "test")
+    assert tokens.tolist() == [0.0, 80.0] and correct.tolist() == [[0, 0], [1, 0]]
+    # at 20 tokens, a quarter of the way: problem 0 is 0.25 right, problem 1 still 0
+    assert stats.value_at(tokens, correct, 20.0).tolist() == [0.25, 0.0]
+    with pytest.raises(KeyError, match="split 'ood'"):
+        stats.token_curve(tmp_path, "a", "ood")

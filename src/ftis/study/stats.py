@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ftis.train.metrics import decode_outcomes
+from ftis.train.metrics import decode_outcomes, read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -303,3 +303,22 @@ def read_evals(run_dir: Path) -> dict[str, dict[str, SplitOutcomes]]:
             correct=np.stack([by_step[s] for s in steps]),
         )
     return out
+
+
+def token_curve(
+    run_dir: Path, node: str, split: str, *, tokens_key: str = "train/generated_tokens_total"
+) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens (E,), correct (E, P)) of one node and split: the per-problem outcomes of each
+    evaluation in evals.jsonl against the node's `tokens_key` in metrics.jsonl at that step (0 at
+    a step without it, e.g. step 0), for `at_equal_tokens`. KeyError when the run has no such
+    node or split in evals.jsonl."""
+    outcomes = read_evals(run_dir)
+    if node not in outcomes or split not in outcomes[node]:
+        raise KeyError(f"{run_dir}/evals.jsonl has no evaluations of node {node!r} split {split!r}")
+    o = outcomes[node][split]
+    tokens = {
+        int(r["step"]): float(r.get(tokens_key) or 0.0)
+        for r in read_metrics(Path(run_dir) / "metrics.jsonl")
+        if r.get("node") == node and "step" in r
+    }
+    return np.array([tokens.get(int(s), 0.0) for s in o.steps]), o.correct
