@@ -119,3 +119,23 @@ def test_evaluate_hands_per_problem_outcomes_to_the_collector(fake_sampling):
     with ev.collect_outcomes() as again:
         pass
     assert again == []  # the earlier block's outcomes do not leak into a later one
+
+
+def test_eval_logger_writes_one_line_per_split_and_sample(tmp_path):
+    import json
+
+    from ftis.train.metrics import EvalLogger
+
+    logger = EvalLogger(tmp_path, "n")
+    logger.log(0, [])  # an evaluation without task outcomes (e.g. preference accuracy only)
+    assert not (tmp_path / "evals.jsonl").exists() and not (tmp_path / "samples.jsonl").exists()
+    logger.log(4, [ev.SplitOutcome("test", [1, 0, 1], [("q0", "0", 1.0), ("q1", "7", 0.0)])])
+    logger.close()
+    evals = [json.loads(x) for x in (tmp_path / "evals.jsonl").read_text().splitlines()]
+    # outcomes 1,0,1 -> byte 0b10100000 = 0xa0
+    assert evals == [{"step": 4, "node": "n", "split": "test", "n": 3, "correct": "a0"}]
+    samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert samples == [
+        {"step": 4, "node": "n", "split": "test", "prompt": "q0", "completion": "0", "reward": 1.0},
+        {"step": 4, "node": "n", "split": "test", "prompt": "q1", "completion": "7", "reward": 0.0},
+    ]

@@ -112,15 +112,21 @@ class EvalLogger:
     split (`step`, `node`, `split`, `n`, `correct`: the greedy per-problem outcomes, hex of
     `encode_outcomes`) and one samples.jsonl line per sample completion (`step`, `node`,
     `split`, `prompt`, `completion`, `reward`). `outcomes` are ftis.train.evaluate's
-    SplitOutcome records."""
+    SplitOutcome records. The files are opened at the first evaluation that has outcomes, so
+    an algorithm that evaluates otherwise (e.g. preference accuracy only) leaves none."""
 
     def __init__(self, run_dir: Path, node: str) -> None:
         self.node = node
-        self.evals = JsonlSink(run_dir / "evals.jsonl")
-        self.samples = JsonlSink(run_dir / "samples.jsonl")
+        self.run_dir = run_dir
+        self.evals: JsonlSink | None = None
+        self.samples: JsonlSink | None = None
 
     def log(self, step: int, outcomes: list[Any]) -> None:
+        if outcomes and self.evals is None:
+            self.evals = JsonlSink(self.run_dir / "evals.jsonl")
+            self.samples = JsonlSink(self.run_dir / "samples.jsonl")
         for o in outcomes:
+            assert self.evals is not None and self.samples is not None
             self.evals.write(
                 {
                     "step": step,
@@ -143,8 +149,9 @@ class EvalLogger:
                 )
 
     def close(self) -> None:
-        self.evals.close()
-        self.samples.close()
+        for sink in (self.evals, self.samples):
+            if sink is not None:
+                sink.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
