@@ -79,6 +79,8 @@ def test_bad_arguments_are_clear_errors():
         paired_difference({0: 1.0}, {0: 0.0}, resamples=0)
     with pytest.raises(ValueError, match="same kind"):
         paired_difference({0: 1.0, 1: [1, 0]}, {0: 0.0, 1: [0, 0]})
+    with pytest.raises(ValueError, match="seed 0: a value is infinite"):
+        paired_difference({0: float("inf")}, {0: 0.0})
     with pytest.raises(ValueError, match="same problems"):
         paired_difference({0: [1, 0], 1: [1, 0, 1]}, {0: [0, 0], 1: [0, 0, 0]})
 

@@ -111,6 +111,10 @@ def _matched(
         if np.isnan(x).any() or np.isnan(y).any():
             dropped += 1
             continue
+        if np.isinf(x).any() or np.isinf(y).any():
+            raise ValueError(
+                f"seed {seed}: a value is infinite; accuracies and outcomes are finite"
+            )
         xs.append(x)
         ys.append(y)
     return xs, ys, dropped

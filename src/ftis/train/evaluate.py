@@ -123,18 +123,7 @@ def evaluate(
     from the same samples `eval/<split>/distinct_answers` (the mean number of distinct final
     answers per problem) when the task has an `extract_answer`.
 
-    The per-problem outcomes go to the active `collect_outcomes` block, if any."""
-    metrics, outcomes = evaluate_detailed(node, task, cfg, train, seed=seed)
-    collector = _COLLECTOR.get()
-    if collector is not None:
-        collector += outcomes
-    return metrics
-
-
-def evaluate_detailed(
-    node: Node, task: Task, cfg: EvalConfig, train: TrainConfig, *, seed: int
-) -> tuple[dict[str, float], list[SplitOutcome]]:
-    """`evaluate`'s metrics, and one SplitOutcome per eval split (in `task.eval_splits` order)."""
+    One SplitOutcome per eval split goes to the active `collect_outcomes` block, if any."""
     g = torch.Generator().manual_seed(seed)
     metrics: dict[str, float] = {}
     outcomes: list[SplitOutcome] = []
@@ -186,4 +175,17 @@ def evaluate_detailed(
             metrics[f"eval/pass@{k}"] = float(pass_at_k(cfg.pass_samples, correct, k).mean())
         if answers is not None:
             metrics[f"eval/{split}/distinct_answers"] = distinct_answers(answers)
+    collector = _COLLECTOR.get()
+    if collector is not None:
+        collector += outcomes
+    return metrics
+
+
+def evaluate_detailed(
+    node: Node, task: Task, cfg: EvalConfig, train: TrainConfig, *, seed: int
+) -> tuple[dict[str, float], list[SplitOutcome]]:
+    """`evaluate`'s metrics, and one SplitOutcome per eval split (in `task.eval_splits` order).
+    These outcomes are returned, not handed to an enclosing `collect_outcomes` block."""
+    with collect_outcomes() as outcomes:
+        metrics = evaluate(node, task, cfg, train, seed=seed)
     return metrics, outcomes
