@@ -145,7 +145,8 @@ def test_problem_level_is_fast():
     b = {s: rng.integers(0, 2, 1024) for s in range(5)}
     t = time.perf_counter()
     paired_difference(a, b, resamples=10_000)
-    assert time.perf_counter() - t < 2.0  # measured 0.1 s on 2 idle cores
+    # measured 0.57-0.69 s (worst case: 243 distinct columns) with load 11 on 2 cores
+    assert time.perf_counter() - t < 3.0
 
 
 # ---- formatting and wording -----------------------------------------------------------------
