@@ -1,9 +1,11 @@
 import json
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
 from ftis.cli import app
+from ftis.train.metrics import decode_outcomes
 from tests.conftest import tiny_run_config
 
 runner = CliRunner()
@@ -36,6 +38,25 @@ def test_run_writes_the_run_directory(tmp_path):
     assert (
         "| xs |" in report and (out / "accuracy.png").exists() and (out / "training.png").exists()
     )
+    # evals.jsonl: one line per evaluation and split, whose outcomes give the row's accuracy
+    lines = [json.loads(line) for line in (out / "evals.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["split"]) for r in lines] == [
+        (s, split) for s in (0, 2, 3) for split in ("test", "ood")
+    ]
+    by_step = {r["step"]: r for r in evals}
+    for r in lines:
+        assert r["node"] == "xs" and r["n"] == 16  # eval.size
+        bits = decode_outcomes(r["correct"], r["n"])
+        assert bits.mean() == pytest.approx(by_step[r["step"]][f"eval/{r['split']}/accuracy"])
+    # samples.jsonl: the first 3 greedy completions of each split at each evaluation
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 3 * 2 * 3
+    assert all(
+        {"step", "node", "split", "prompt", "completion", "reward"} <= r.keys() for r in samples
+    )
+    assert [r["prompt"] for r in samples[:3]] != [r["prompt"] for r in samples[3:6]]  # test, ood
+    assert "## Samples at the last evaluation" in report
+    assert report.count("| xs | 3 |") == 6  # the last evaluation: 3 samples x 2 splits
 
 
 def test_existing_run_dir_needs_overwrite(tmp_path):

@@ -100,3 +100,42 @@ def test_a_real_run_logs_distinct_answers(tmp_path):
     evals = [r for r in rows if "eval/pass@4" in r]
     assert len(evals) == 2  # step 0 and the end
     assert all(0.0 <= r["eval/test/distinct_answers"] <= 4.0 for r in evals)
+
+
+def test_evaluate_hands_per_problem_outcomes_to_the_collector(fake_sampling):
+    # greedy completion is "0" for every problem: right for problem 0 only (answers "0","1","2")
+    node = SimpleNamespace(model=None, tokenizer=SimpleNamespace(eos_token_id=0, pad_token_id=0))
+    cfg = EvalConfig(size=3, pass_samples=0, batch_size=8)
+    metrics, outcomes = ev.evaluate_detailed(node, _Task(False), cfg, TrainConfig(), seed=0)
+    assert [o.split for o in outcomes] == ["test"]
+    assert outcomes[0].correct == [1, 0, 0]
+    assert outcomes[0].samples == [("q0", "0", 1.0), ("q1", "0", 0.0), ("q2", "0", 0.0)]
+    assert metrics["eval/test/accuracy"] == pytest.approx(1 / 3)
+    # evaluate returns the same metrics, and the outcomes only go where a collector listens
+    assert ev.evaluate(node, _Task(False), cfg, TrainConfig(), seed=0) == metrics
+    with ev.collect_outcomes() as got:
+        assert ev.evaluate(node, _Task(False), cfg, TrainConfig(), seed=0) == metrics
+    assert got == outcomes
+    with ev.collect_outcomes() as again:
+        pass
+    assert again == []  # the earlier block's outcomes do not leak into a later one
+
+
+def test_eval_logger_writes_one_line_per_split_and_sample(tmp_path):
+    import json
+
+    from ftis.train.metrics import EvalLogger
+
+    logger = EvalLogger(tmp_path, "n")
+    logger.log(0, [])  # an evaluation without task outcomes (e.g. preference accuracy only)
+    assert not (tmp_path / "evals.jsonl").exists() and not (tmp_path / "samples.jsonl").exists()
+    logger.log(4, [ev.SplitOutcome("test", [1, 0, 1], [("q0", "0", 1.0), ("q1", "7", 0.0)])])
+    logger.close()
+    evals = [json.loads(x) for x in (tmp_path / "evals.jsonl").read_text().splitlines()]
+    # outcomes 1,0,1 -> byte 0b10100000 = 0xa0
+    assert evals == [{"step": 4, "node": "n", "split": "test", "n": 3, "correct": "a0"}]
+    samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert samples == [
+        {"step": 4, "node": "n", "split": "test", "prompt": "q0", "completion": "0", "reward": 1.0},
+        {"step": 4, "node": "n", "split": "test", "prompt": "q1", "completion": "7", "reward": 0.0},
+    ]

@@ -58,6 +58,11 @@ def test_two_different_models_collaborate(tmp_path):
         assert all(r["exchange/rejected"] == 0 for r in trained)
     report = (out / "report.md").read_text()
     assert "| a |" in report and "| b |" in report
+    # both node processes append to the run's evals.jsonl: one line per node, evaluation, split
+    evals = [json.loads(line) for line in (out / "evals.jsonl").read_text().splitlines()]
+    for node in ("a", "b"):
+        mine = [(r["step"], r["split"]) for r in evals if r["node"] == node]
+        assert sorted(mine) == sorted((s, sp) for s in (0, 2, 3) for sp in ("test", "ood"))
 
 
 def test_three_nodes_with_lora_run_to_the_end(tmp_path):

@@ -325,8 +325,8 @@ def _write(tmp_path, data, name):
     return str(cfg)
 
 
-def _rows(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+def _rows(out, name="metrics.jsonl"):
+    return [json.loads(line) for line in (out / name).read_text().splitlines()]
 
 
 def _assert_same_rows(a, b):
@@ -342,6 +342,7 @@ def _assert_same_rows(a, b):
 def test_crash_then_resume_reproduces_the_uninterrupted_run(tmp_path, lora):
     data = tiny_run_config(steps=4)
     data["checkpoint"] = {"every": 2}
+    data["eval"]["every"] = 1  # step 3's evaluation is written before the crash, then redone
     if lora:
         data["nodes"][0]["model"]["lora"] = {"r": 4, "alpha": 8}
         data["nodes"][0]["optim"] = {"lr": 0.01}
@@ -359,6 +360,9 @@ def test_crash_then_resume_reproduces_the_uninterrupted_run(tmp_path, lora):
     res = runner.invoke(app, ["run", "--resume", str(out), "--set", "testing.crash_at_step={}"])
     assert res.exit_code == 0, res.output
     _assert_same_rows(_rows(full), _rows(out))  # step 3 redone, not duplicated; 3-4 identical
+    for name in ("evals.jsonl", "samples.jsonl"):  # the same lines: none lost, none repeated
+        assert _rows(out, name) == _rows(full, name)
+    assert [r["step"] for r in _rows(out, "evals.jsonl")] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
     assert (out / "report.md").exists()
 
 

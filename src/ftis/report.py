@@ -202,10 +202,48 @@ def write_report(run_dir: Path) -> Path:
     if (run_dir / "training.png").exists():
         lines += ["![training](training.png)", ""]
     lines += _algorithm_section(rows, run_dir)
+    lines += samples_section(run_dir)
     lines += ["Config: [config.yaml](config.yaml). Metrics: [metrics.jsonl](metrics.jsonl).", ""]
     path = run_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def _cell(text: str, limit: int = 60) -> str:
+    """A markdown table cell: one line, pipes escaped, at most `limit` characters."""
+    one = " ".join(str(text).split())
+    if len(one) > limit:
+        one = one[: limit - 1] + "\u2026"
+    return "`" + one.replace("`", "'").replace("|", "\\|") + "`" if one else "(empty)"
+
+
+def samples_section(run_dir: Path) -> list[str]:
+    """Each node's sample completions at its last evaluation, from samples.jsonl (none for runs
+    without one)."""
+    path = Path(run_dir) / "samples.jsonl"
+    if not path.exists():
+        return []
+    rows = [r for r in read_metrics(path) if {"step", "node", "split"} <= r.keys()]
+    if not rows:
+        return []
+    lines = ["## Samples at the last evaluation", ""]
+    lines += ["| node | step | split | prompt | completion | reward |", "|---|---|---|---|---|---|"]
+    for node in nodes_in(rows):
+        mine = [r for r in rows if r["node"] == node]
+        last = max(r["step"] for r in mine)
+        for r in (r for r in mine if r["step"] == last):
+            reward = r.get("reward")
+            lines.append(
+                f"| {node} | {last} | {r['split']} | {_cell(r.get('prompt', ''))} | "
+                f"{_cell(r.get('completion', ''))} | "
+                f"{'-' if reward is None else f'{float(reward):g}'} |"
+            )
+    lines += [
+        "",
+        "Greedy completions of each split's first problems: [samples.jsonl](samples.jsonl).",
+        "",
+    ]
+    return lines
 
 
 def _algorithm_section(rows: list[dict[str, Any]], run_dir: Path) -> list[str]:

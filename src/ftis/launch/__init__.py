@@ -13,7 +13,7 @@ from ftis.config import RunConfig
 from ftis.launch.multi import MultiResult
 from ftis.train.checkpoint import checkpoint_step
 from ftis.train.loop import train_node
-from ftis.train.metrics import truncate_rows
+from ftis.train.metrics import truncate_run_rows
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def run_local(
     name = cfg.nodes[0].name
     if resume:
         step = checkpoint_step(run_dir / "nodes" / name)
-        truncate_rows(run_dir / "metrics.jsonl", name, after_step=step)
+        truncate_run_rows(run_dir, name, after_step=step)
     columns = [
         TextColumn("{task.description}"),
         BarColumn(),

@@ -36,7 +36,7 @@ from ftis.models.loading import ModelLoadError, load_tokenizer, tokenizer_finger
 from ftis.tasks import TaskDataError
 from ftis.train.checkpoint import CheckpointError, checkpoint_step
 from ftis.train.loop import StopFlag, train_node
-from ftis.train.metrics import MetricLogger, truncate_rows
+from ftis.train.metrics import MetricLogger, truncate_run_rows
 
 log = logging.getLogger("ftis.launch.worker")
 
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         if is_node and args.resume:
             # Before the group forms, so that no peer is appending to metrics.jsonl yet.
             step = checkpoint_step(run_dir / "nodes" / names[rank])
-            truncate_rows(run_dir / "metrics.jsonl", names[rank], after_step=step)
+            truncate_run_rows(run_dir, names[rank], after_step=step)
             done = step or 0
         store, rank, world = connect_store(cfg.exchange.timeout_s)
         membership = Membership(store, rank, world, timeout_s=cfg.exchange.timeout_s)

@@ -1,8 +1,17 @@
-"""Evaluation: greedy accuracy on each eval split, pass@k and distinct answers from samples."""
+"""Evaluation: greedy accuracy on each eval split, pass@k and distinct answers from samples.
+
+Besides its metrics, an evaluation has per-problem greedy outcomes and a few sample completions
+per split (`evaluate_detailed`). `evaluate` returns the metrics only and hands the rest to the
+collector the node shell installs around an algorithm's evaluation (`collect_outcomes`), which
+writes them to evals.jsonl and samples.jsonl: every algorithm that calls `evaluate` gets them.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -42,8 +51,10 @@ def _samples(
     batch_size: int,
     generator: torch.Generator,
     extract: Callable[[str], str | None] | None = None,
+    texts_out: list[str] | None = None,
 ) -> tuple[torch.Tensor, list[list[str | None]] | None]:
-    """(len(problems), num_samples) rewards, and with `extract` each sample's answer."""
+    """(len(problems), num_samples) rewards, and with `extract` each sample's answer; the
+    decoded completions are appended to `texts_out` when given."""
     tok = node.tokenizer
     per_batch = max(1, batch_size // num_samples)
     out = []
@@ -61,6 +72,8 @@ def _samples(
             generator=generator,
         )
         texts = decode_completions(tok, s.completion_ids, s.lengths)
+        if texts_out is not None:
+            texts_out += texts
         out += [task.reward(chunk[j // num_samples], t) for j, t in enumerate(texts)]
         if extract is not None:
             answers += [extract(t) for t in texts]
@@ -71,18 +84,53 @@ def _samples(
     return rewards, rows
 
 
+SAMPLES_PER_SPLIT = 3  # greedy completions of a split's first problems kept for samples.jsonl
+
+
+@dataclass(frozen=True)
+class SplitOutcome:
+    """One eval split's greedy outcomes: `correct[i]` is 1 when the greedy completion of the
+    split's problem i (its fixed order, the first eval.size) earned reward > 0; `samples` are
+    (prompt, completion, reward) of the first SAMPLES_PER_SPLIT problems."""
+
+    split: str
+    correct: list[int]
+    samples: list[tuple[str, str, float]]
+
+
+_COLLECTOR: contextvars.ContextVar[list[SplitOutcome] | None] = contextvars.ContextVar(
+    "ftis_eval_outcomes", default=None
+)
+
+
+@contextlib.contextmanager
+def collect_outcomes() -> Iterator[list[SplitOutcome]]:
+    """Within the block, every `evaluate` (in this thread) appends its SplitOutcomes to the
+    yielded list. The node shell wraps an algorithm's `evaluate(step)` in it."""
+    got: list[SplitOutcome] = []
+    token = _COLLECTOR.set(got)
+    try:
+        yield got
+    finally:
+        _COLLECTOR.reset(token)
+
+
 def evaluate(
     node: Node, task: Task, cfg: EvalConfig, train: TrainConfig, *, seed: int
 ) -> dict[str, float]:
     """`eval/accuracy` is greedy accuracy on the first (in-distribution) eval split; every split
     also gets `eval/<split>/accuracy`; pass@k on the in-distribution split as `eval/pass@k`, and
     from the same samples `eval/<split>/distinct_answers` (the mean number of distinct final
-    answers per problem) when the task has an `extract_answer`."""
+    answers per problem) when the task has an `extract_answer`.
+
+    One SplitOutcome per eval split goes to the active `collect_outcomes` block, if any."""
     g = torch.Generator().manual_seed(seed)
     metrics: dict[str, float] = {}
+    outcomes: list[SplitOutcome] = []
     for i, split in enumerate(task.eval_splits):
         ds = task.split(split)
         problems = [ds[j] for j in range(min(cfg.size, len(ds)))]
+        texts: list[str] = []
         r, _ = _samples(
             node,
             task,
@@ -92,6 +140,16 @@ def evaluate(
             max_new_tokens=train.max_new_tokens,
             batch_size=cfg.batch_size,
             generator=g,
+            texts_out=texts,
+        )
+        rewards = r[:, 0].tolist()
+        shown = range(min(SAMPLES_PER_SPLIT, len(problems)))
+        outcomes.append(
+            SplitOutcome(
+                split=split,
+                correct=[int(x > 0) for x in rewards],
+                samples=[(problems[j].question, texts[j], rewards[j]) for j in shown],
+            )
         )
         acc = float(r.mean())
         metrics[f"eval/{split}/accuracy"] = acc
@@ -117,4 +175,17 @@ def evaluate(
             metrics[f"eval/pass@{k}"] = float(pass_at_k(cfg.pass_samples, correct, k).mean())
         if answers is not None:
             metrics[f"eval/{split}/distinct_answers"] = distinct_answers(answers)
+    collector = _COLLECTOR.get()
+    if collector is not None:
+        collector += outcomes
     return metrics
+
+
+def evaluate_detailed(
+    node: Node, task: Task, cfg: EvalConfig, train: TrainConfig, *, seed: int
+) -> tuple[dict[str, float], list[SplitOutcome]]:
+    """`evaluate`'s metrics, and one SplitOutcome per eval split (in `task.eval_splits` order).
+    These outcomes are returned, not handed to an enclosing `collect_outcomes` block."""
+    with collect_outcomes() as outcomes:
+        metrics = evaluate(node, task, cfg, train, seed=seed)
+    return metrics, outcomes

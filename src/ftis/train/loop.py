@@ -7,6 +7,9 @@
         step        the algorithm's own work (`cfg.algorithm.kind`, ftis.algos)
         eval, log, checkpoint, progress
 
+Each evaluation also writes its per-problem outcomes and a few sample completions
+(evals.jsonl, samples.jsonl) for every algorithm that evaluates with ftis.train.evaluate.
+
 The shell never learns which algorithm it runs (docs/design.md, "One shell, many algorithms").
 Resume, Ctrl-C and lost peers are handled here and in ftis.exchange (docs/RELIABILITY.md).
 """
@@ -32,7 +35,8 @@ from ftis.config import RunConfig
 from ftis.exchange.transport import ExchangeAborted, LocalTransport, Transport, TransportLost
 from ftis.tasks import build_task
 from ftis.train.checkpoint import load_latest_checkpoint, save_checkpoint
-from ftis.train.metrics import MetricLogger
+from ftis.train.evaluate import collect_outcomes
+from ftis.train.metrics import EvalLogger, MetricLogger
 from ftis.train.node import build_node
 from ftis.train.seeds import node_seed
 from ftis.train.timing import PhaseTimer
@@ -164,10 +168,13 @@ def train_node(
         algo.load_state_dict({"counters": state.get("counters", {})} if v1 else state["algorithm"])
     transport.ready()
     logger = MetricLogger(run_dir, node.name, tensorboard=cfg.log.tensorboard)
+    eval_logger = EvalLogger(run_dir, node.name)
 
     def run_eval(step: int) -> dict[str, float]:
-        with timer("eval"):
-            return algo.evaluate(step)
+        with timer("eval"), collect_outcomes() as outcomes:
+            metrics = algo.evaluate(step)
+        eval_logger.log(step, outcomes)
+        return metrics
 
     def checkpoint(step: int) -> None:
         save_checkpoint(
@@ -229,6 +236,7 @@ def train_node(
                 checkpoint(done)
     finally:
         logger.close()
+        eval_logger.close()
     transport.close()
     if lost is not None:
         raise lost

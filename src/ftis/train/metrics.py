@@ -1,5 +1,6 @@
 """Metric sinks. JSONL always (RUN_DIR/metrics.jsonl, one object per line, with `step` and
-`node`); TensorBoard when asked for and installed."""
+`node`); TensorBoard when asked for and installed. Each evaluation's per-problem outcomes and
+sample completions go to RUN_DIR/evals.jsonl and RUN_DIR/samples.jsonl (`EvalLogger`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import math
 import os
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,80 @@ class MetricLogger:
             s.close()
 
 
+# The row files of a run directory, each with `step` and `node` on every line: resume drops a
+# node's rows after its checkpoint from all of them (`truncate_run_rows`).
+ROW_FILES = ("metrics.jsonl", "evals.jsonl", "samples.jsonl")
+
+
+def encode_outcomes(correct: Any) -> str:
+    """Per-problem 0/1 outcomes as hex: problem i is bit 7 - i % 8 of byte i // 8 (the first
+    problem is the high bit of the first byte), zero-padded to whole bytes. 1024 problems take
+    256 characters."""
+    bits = np.asarray(correct, dtype=np.uint8).ravel()
+    if bits.size and bits.max() > 1:
+        raise ValueError("outcomes must be 0 or 1")
+    return np.packbits(bits).tobytes().hex()
+
+
+def decode_outcomes(text: str, n: int) -> np.ndarray:
+    """(n,) uint8 outcomes from `encode_outcomes`' hex; ValueError when the length or the padding
+    does not fit n."""
+    raw = np.frombuffer(bytes.fromhex(text), dtype=np.uint8)
+    if len(raw) != (n + 7) // 8:
+        raise ValueError(f"{len(text)} hex characters cannot hold {n} outcomes")
+    bits = np.unpackbits(raw)
+    if bits[n:].any():
+        raise ValueError("outcome padding bits are not zero")
+    return bits[:n]
+
+
+class EvalLogger:
+    """Writes what one evaluation saw, besides its metrics row: one evals.jsonl line per eval
+    split (`step`, `node`, `split`, `n`, `correct`: the greedy per-problem outcomes, hex of
+    `encode_outcomes`) and one samples.jsonl line per sample completion (`step`, `node`,
+    `split`, `prompt`, `completion`, `reward`). `outcomes` are ftis.train.evaluate's
+    SplitOutcome records. The files are opened at the first evaluation that has outcomes, so
+    an algorithm that evaluates otherwise (e.g. preference accuracy only) leaves none."""
+
+    def __init__(self, run_dir: Path, node: str) -> None:
+        self.node = node
+        self.run_dir = run_dir
+        self.evals: JsonlSink | None = None
+        self.samples: JsonlSink | None = None
+
+    def log(self, step: int, outcomes: list[Any]) -> None:
+        if outcomes and self.evals is None:
+            self.evals = JsonlSink(self.run_dir / "evals.jsonl")
+            self.samples = JsonlSink(self.run_dir / "samples.jsonl")
+        for o in outcomes:
+            assert self.evals is not None and self.samples is not None
+            self.evals.write(
+                {
+                    "step": step,
+                    "node": self.node,
+                    "split": o.split,
+                    "n": len(o.correct),
+                    "correct": encode_outcomes(o.correct),
+                }
+            )
+            for prompt, completion, reward in o.samples:
+                self.samples.write(
+                    {
+                        "step": step,
+                        "node": self.node,
+                        "split": o.split,
+                        "prompt": prompt,
+                        "completion": completion,
+                        "reward": reward,
+                    }
+                )
+
+    def close(self) -> None:
+        for sink in (self.evals, self.samples):
+            if sink is not None:
+                sink.close()
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """All rows of a metrics.jsonl; a torn last line (crash mid-write) is skipped."""
     rows = []
@@ -120,3 +197,8 @@ def truncate_rows(path: Path, node: str, *, after_step: int | None) -> int:
             tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
             os.replace(tmp, path)
     return dropped
+
+
+def truncate_run_rows(run_dir: Path, node: str, *, after_step: int | None) -> int:
+    """`truncate_rows` on every row file of the run directory (ROW_FILES); rows dropped in all."""
+    return sum(truncate_rows(run_dir / name, node, after_step=after_step) for name in ROW_FILES)

@@ -36,7 +36,7 @@ from ftis.algos.swarm.config import ChurnConfig, SwarmConfig
 from ftis.config import RunConfig
 from ftis.launch.multi import INTERRUPTED, LaunchError, MultiResult, NodesLostError
 from ftis.train.checkpoint import checkpoint_step
-from ftis.train.metrics import truncate_rows
+from ftis.train.metrics import truncate_run_rows
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2
@@ -121,7 +121,7 @@ def run_swarm(
     if resume:  # before any peer appends: drop each peer's rows after its checkpoint
         for n in cfg.nodes:
             step = checkpoint_step(run_dir / "nodes" / n.name)
-            truncate_rows(run_dir / "metrics.jsonl", n.name, after_step=step)
+            truncate_run_rows(run_dir, n.name, after_step=step)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_NUM_THREADS", "1")
     peers = [_Peer(n.name, churn[n.name]) for n in cfg.nodes]

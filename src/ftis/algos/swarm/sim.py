@@ -38,7 +38,7 @@ from ftis.exchange.swarm_sim import Scheduler, SimBoard, SimTask
 from ftis.launch.multi import INTERRUPTED, LaunchError, MultiResult, NodesLostError
 from ftis.train.checkpoint import checkpoint_step
 from ftis.train.loop import SimulatedCrash, StopFlag, train_node
-from ftis.train.metrics import truncate_rows
+from ftis.train.metrics import truncate_run_rows
 
 log = logging.getLogger(__name__)
 SIM_POLL_S = 0.5  # virtual seconds between a waiting peer's reads of the board
@@ -89,7 +89,7 @@ def run_sim(
     if resume:  # drop each peer's rows after its checkpoint
         for n in cfg.nodes:
             step = checkpoint_step(run_dir / "nodes" / n.name)
-            truncate_rows(run_dir / "metrics.jsonl", n.name, after_step=step)
+            truncate_run_rows(run_dir, n.name, after_step=step)
     sched = Scheduler()
     board = SimBoard(sched, max_value_bytes=int(a.max_payload_mb * 2**20))
     start_ids = a.start_peers(cfg)
