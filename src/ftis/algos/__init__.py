@@ -164,6 +164,24 @@ def get_algorithm(kind: str) -> AlgorithmSpec:
 register_algorithm("ftis", FTISConfig, "ftis.algos.ftis.algorithm:FTISAlgorithm")
 
 
+def _register_studies(kinds: dict[str, dict], renderers: dict[str, dict]) -> None:
+    """Register a system's study kinds and study renderers (ftis.study.registry; its tables and
+    plots live with the system, as its report section does)."""
+    from ftis.study.registry import register_study_kind, register_study_renderer
+
+    for name, targets in kinds.items():
+        register_study_kind(name, **targets)
+    for name, targets in renderers.items():
+        register_study_renderer(name, **targets)
+
+
+# The F-TIS family's document of a grid study (docs/RESULTS.md, docs/results/reco.md).
+_FTIS_STUDY = "ftis.algos.ftis.study_results"
+_register_studies(
+    {}, {"ftis": {"render": f"{_FTIS_STUDY}:render", "collect": f"{_FTIS_STUDY}:collect"}}
+)
+
+
 def _register_fgrpo() -> None:
     # Imported here: its config module subclasses AlgorithmConfig, defined above.
     from ftis.algos.fgrpo.config import FGRPOConfig
@@ -173,6 +191,20 @@ def _register_fgrpo() -> None:
         FGRPOConfig,
         "ftis.algos.fgrpo.launch:not_a_node",
         launcher="ftis.algos.fgrpo.launch:run_federated",
+    )
+    # The FGRPO study (studies/fgrpo.yaml, `kind: fgrpo`): aggregation rules against centralized
+    # GRPO and each client alone, derived from the federation; its document.
+    study, results = "ftis.algos.fgrpo.study", "ftis.algos.fgrpo.study_results"
+    _register_studies(
+        {
+            "fgrpo": {
+                "load": f"{study}:load_fgrpo_study",
+                "run": f"{study}:run_fgrpo_study",
+                "plan": f"{study}:plan_table",
+                "results": "fgrpo",
+            }
+        },
+        {"fgrpo": {"render": f"{results}:render", "collect": f"{results}:collect"}},
     )
 
 
@@ -201,6 +233,8 @@ def _register_dpo() -> None:
         launcher="ftis.algos.dpo.fed:run_fed_dpo",
         report=_DPO_REPORT,
     )
+    # The distributed-DPO study's document (studies/dpo.yaml, `results: dpo`).
+    _register_studies({}, {"dpo": {"render": "ftis.algos.dpo.study_results:render"}})
 
 
 _DPO_REPORT = "ftis.algos.dpo.report:report_section"
@@ -215,6 +249,8 @@ def _register_population() -> None:
     report = "ftis.algos.randopt.report:report_section"
     register_algorithm("randopt", RandOptConfig, factory, report=report)
     register_algorithm("corp", CoRPConfig, factory, report=report)
+    # The population study's document (studies/population.yaml, `results: population`).
+    _register_studies({}, {"population": {"render": "ftis.algos.randopt.study_results:render"}})
 
 
 _register_population()
@@ -230,6 +266,8 @@ def _register_swarm() -> None:
         "ftis.algos.swarm.algorithm:SwarmAlgorithm",
         launcher="ftis.algos.swarm.launch:run_swarm",
     )
+    # The swarm study's document (studies/swarm.yaml, `results: swarm`).
+    _register_studies({}, {"swarm": {"render": "ftis.algos.swarm.study_results:render"}})
 
 
 _register_swarm()

@@ -594,6 +594,16 @@ def plan(
     return [(r, run_state(r, out_dir / r.id)) for r in study.select(only)]
 
 
+def plan_table(
+    study: FGRPOStudy, *, out_dir: Path | None = None, only: str | None = None
+) -> tuple[list[str], list[list[str]]]:
+    """The `--dry-run` table: run, arm, arm kind, seed, status."""
+    rows = [
+        [r.id, r.arm, r.kind, str(r.seed), s] for r, s in plan(study, out_dir=out_dir, only=only)
+    ]
+    return ["run", "arm", "kind", "seed", "status"], rows
+
+
 def _update_meta(run_dir: Path, **values: Any) -> None:
     path = run_dir / RUN_META
     try:
