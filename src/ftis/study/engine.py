@@ -35,15 +35,13 @@ def kind_name(path: str | Path) -> str:
 def study_kind(study_or_path: Any) -> StudyKind:
     """The registered kind of a loaded study or of a study file (StudyError when unknown)."""
     if isinstance(study_or_path, str | Path):
-        name = kind_name(study_or_path)
+        where, name = study_or_path, kind_name(study_or_path)
     else:
-        name = getattr(study_or_path.spec, "kind", "grid")
+        where, name = study_or_path.path, getattr(study_or_path.spec, "kind", "grid")
     try:
         return get_study_kind(name)
     except ValueError as e:
-        raise StudyError(
-            f"study {study_or_path if isinstance(study_or_path, str | Path) else study_or_path.path}: {e}"
-        ) from None
+        raise StudyError(f"study {where}: {e}") from None
 
 
 def load_study(path: str | Path) -> Any:

@@ -109,11 +109,6 @@ def _load_systems() -> None:
     load_plugins()
 
 
-def study_renderer_names() -> list[str]:
-    _load_systems()
-    return sorted(STUDY_RENDERERS)
-
-
 def get_study_renderer(name: str) -> StudyRenderer:
     """The registered renderer `name`, or a ValueError listing the known ones."""
     if name not in STUDY_RENDERERS:
@@ -139,5 +134,5 @@ def get_study_kind(name: str) -> StudyKind:
     return STUDY_KINDS[name]
 
 
-register_study_kind("grid", "ftis.study.spec:load_study", results="ftis")
+register_study_kind("grid", "ftis.study.spec:load_study")  # renderer: its `results` (default ftis)
 register_study_kind("arms", "ftis.study.arms:load_arms_study", plan="ftis.study.arms:plan_table")
