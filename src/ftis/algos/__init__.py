@@ -199,7 +199,8 @@ def _register_fgrpo() -> None:
         {
             "fgrpo": {
                 "load": f"{study}:load_fgrpo_study",
-                "run": f"{study}:run_fgrpo_study",
+                "status": f"{study}:run_state",
+                "execute": f"{study}:run_one",
                 "plan": f"{study}:plan_table",
                 "results": "fgrpo",
             }

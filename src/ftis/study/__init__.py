@@ -18,7 +18,7 @@ _EXPORTS = {
     "Study": "ftis.study.spec",
     "StudyError": "ftis.study.spec",
     "SweepOutcome": "ftis.study.runner",
-    "plan": "ftis.study.runner",
+    "plan": "ftis.study.engine",
     "run_status": "ftis.study.runner",
     "load_study": "ftis.study.engine",
     "run_study": "ftis.study.engine",

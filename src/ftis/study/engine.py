@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+import ftis.study.runner as runner
 from ftis.study.document import write_document
 from ftis.study.registry import StudyKind, _resolve, get_study_kind, get_study_renderer
 from ftis.study.runner import SweepOutcome
@@ -49,19 +50,32 @@ def load_study(path: str | Path) -> Any:
     return _resolve(study_kind(path).load)(path)
 
 
+def _hooks(kind: StudyKind) -> dict[str, Any]:
+    return {
+        "status": None if kind.status is None else _resolve(kind.status),
+        "execute": None if kind.execute is None else _resolve(kind.execute),
+    }
+
+
 def run_study(
     study: Any, *, out_dir: Path | None = None, only: str | None = None, console: Any = None
 ) -> SweepOutcome:
-    """Run every selected run of `study` that is not done, with its kind's runner."""
-    return _resolve(study_kind(study).run)(study, out_dir=out_dir, only=only, console=console)
+    """Run every selected run of `study` that is not done (ftis.study.runner.run_study, with
+    its kind's hooks)."""
+    hooks = _hooks(study_kind(study))
+    return runner.run_study(study, out_dir=out_dir, only=only, console=console, **hooks)
+
+
+def plan(study: Any, *, out_dir: Path | None = None, only: str | None = None) -> list[tuple]:
+    """(run, status) for every selected run, by its kind's status (nothing is run)."""
+    status = _hooks(study_kind(study))["status"]
+    return runner.plan(study, out_dir=out_dir, only=only, status=status)
 
 
 def plan_table(
     study: Any, *, out_dir: Path | None = None, only: str | None = None
 ) -> tuple[list[str], list[list[str]]]:
-    """The `--dry-run` table of a study whose runs are RunSpecs: id, variant, seed, status."""
-    from ftis.study.runner import plan
-
+    """The default `--dry-run` table: run id, variant, seed, status."""
     rows = [[r.id, r.variant, str(r.seed), s] for r, s in plan(study, out_dir=out_dir, only=only)]
     return ["run", "variant", "seed", "status"], rows
 

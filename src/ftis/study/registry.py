@@ -1,7 +1,7 @@
 """What a study can be and who writes its document: two registries, filled by the systems.
 
-A *study kind* says how a study file is read into runs, how its runs are run (with resume) and
-listed; `ftis sweep` picks it by the file's `kind:` ("grid" when absent). ftis itself registers
+A *study kind* says how a study file is read into runs, and (when an ordinary run from scratch
+is not all) when a run is done and how one is brought there; `ftis sweep` picks it by the file's `kind:` ("grid" when absent). ftis itself registers
 "grid" (loss methods x pairings x seeds, ftis.study.spec) and "arms" (any run configs x seeds,
 ftis.study.arms); a system whose study needs more (FGRPO derives its centralized and alone
 baselines from the federation and evaluates them on every client) registers its own kind.
@@ -59,7 +59,11 @@ class StudyKind:
     load(path) -> study: reads and validates the file (raising StudyError with the fix) and
         expands it into runs; the study has `.spec` (with `.name`, `.report`, `.out` and, when
         the kind lets a file choose its renderer, `.results`), `.path`, `.runs` and `.out_dir`.
-    run(study, *, out_dir, only, console) -> SweepOutcome: runs what is not done (resume).
+    status(run, run_dir) -> str: "done" when the run needs nothing more (default: every node
+        logged its last step); anything else is handed to `execute`.
+    execute(run, run_dir, status, *, console) -> seconds: brings one run to "done" (default:
+        an ordinary run from scratch). The engine's one loop (ftis.study.runner.run_study)
+        runs a study's runs seed by seed, skips the done ones and goes on past a failure.
     plan(study, *, out_dir, only) -> (header, rows): the `--dry-run` table, strings.
     collect(study, out_dir) -> (results, missing): the complete runs' results, for renderers
         that register no collect of their own.
@@ -68,7 +72,8 @@ class StudyKind:
 
     name: str
     load: Target
-    run: Target = "ftis.study.runner:run_study"
+    status: Target | None = None
+    execute: Target | None = None
     plan: Target = "ftis.study.engine:plan_table"
     collect: Target = "ftis.study.arms:collect"
     results: str | None = None
@@ -82,13 +87,14 @@ def register_study_kind(
     name: str,
     load: Target,
     *,
-    run: Target = "ftis.study.runner:run_study",
+    status: Target | None = None,
+    execute: Target | None = None,
     plan: Target = "ftis.study.engine:plan_table",
     collect: Target = "ftis.study.arms:collect",
     results: str | None = None,
 ) -> StudyKind:
     """Make `kind: <name>` readable by `ftis sweep` (replacing an earlier registration)."""
-    kind = StudyKind(name, load, run, plan, collect, results)
+    kind = StudyKind(name, load, status, execute, plan, collect, results)
     STUDY_KINDS[name] = kind
     return kind
 
