@@ -19,6 +19,8 @@ from typing import Any
 
 from ftis.algos.fgrpo.study import CLIENT_EVAL, FGRPORun, FGRPOStudy, run_state
 from ftis.study.document import READING_BEGIN, READING_END, fmt_pct, mean_std
+from ftis.study.document import rel as _rel
+from ftis.study.document import table as _table
 from ftis.study.runner import RUN_META, STUDY_LOG
 from ftis.train.metrics import read_metrics
 
@@ -308,21 +310,6 @@ def plot_finals(study: FGRPOStudy, results: list[RunData], path: Path, last_roun
 
 
 # ---------------------------------------------------------------------------------- document
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return [
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join("---" for _ in header) + "|",
-        *("| " + " | ".join(r) + " |" for r in rows),
-    ]
-
-
-def _rel(path: Path) -> str:
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
 
 
 def _ops(task: dict[str, Any]) -> str:
