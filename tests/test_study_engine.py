@@ -59,6 +59,7 @@ def _rows(acc_start: float, acc_end: float, last_step: int) -> list[dict]:
 
 
 def _study(tmp_path: Path, results: str = "tiny-test") -> Path:
+    tmp_path.mkdir(exist_ok=True)
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(yaml.safe_dump(tiny_run_config()))
     spec = {
@@ -119,6 +120,10 @@ def test_an_unregistered_renderer_or_kind_is_refused_with_the_registered_names(t
     assert res.exit_code != 0
     assert "'nope' is not a registered study renderer" in res.output
     assert "population" in res.output and "Traceback" not in res.output
+    path = _study(tmp_path / "other", results="fgrpo")  # FGRPO's renders only its own kind
+    res = runner.invoke(app, ["sweep", str(path), "--dry-run"])
+    assert res.exit_code != 0
+    assert "'fgrpo' renders no study of kind 'arms'" in res.output
     data = yaml.safe_load(path.read_text())
     data["kind"] = "nope"
     path.write_text(yaml.safe_dump(data))

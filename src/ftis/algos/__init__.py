@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from ftis.study.registry import register_study_kind, register_study_renderer
+
 if TYPE_CHECKING:
     from ftis.algos.base import Algorithm, NodeContext, ServiceContext
 
@@ -164,21 +166,12 @@ def get_algorithm(kind: str) -> AlgorithmSpec:
 register_algorithm("ftis", FTISConfig, "ftis.algos.ftis.algorithm:FTISAlgorithm")
 
 
-def _register_studies(kinds: dict[str, dict], renderers: dict[str, dict]) -> None:
-    """Register a system's study kinds and study renderers (ftis.study.registry; its tables and
-    plots live with the system, as its report section does)."""
-    from ftis.study.registry import register_study_kind, register_study_renderer
-
-    for name, targets in kinds.items():
-        register_study_kind(name, **targets)
-    for name, targets in renderers.items():
-        register_study_renderer(name, **targets)
-
-
 # The F-TIS family's document of a grid study (docs/RESULTS.md, docs/results/reco.md).
-_FTIS_STUDY = "ftis.algos.ftis.study_results"
-_register_studies(
-    {}, {"ftis": {"render": f"{_FTIS_STUDY}:render", "collect": f"{_FTIS_STUDY}:collect"}}
+register_study_renderer(
+    "ftis",
+    "ftis.algos.ftis.study_results:render",
+    collect="ftis.algos.ftis.study_results:collect",
+    kinds=("grid",),
 )
 
 
@@ -195,17 +188,16 @@ def _register_fgrpo() -> None:
     # The FGRPO study (studies/fgrpo.yaml, `kind: fgrpo`): aggregation rules against centralized
     # GRPO and each client alone, derived from the federation; its document.
     study, results = "ftis.algos.fgrpo.study", "ftis.algos.fgrpo.study_results"
-    _register_studies(
-        {
-            "fgrpo": {
-                "load": f"{study}:load_fgrpo_study",
-                "status": f"{study}:run_state",
-                "execute": f"{study}:run_one",
-                "plan": f"{study}:plan_table",
-                "results": "fgrpo",
-            }
-        },
-        {"fgrpo": {"render": f"{results}:render", "collect": f"{results}:collect"}},
+    register_study_kind(
+        "fgrpo",
+        f"{study}:load_fgrpo_study",
+        status=f"{study}:run_state",
+        execute=f"{study}:run_one",
+        plan=f"{study}:plan_table",
+        results="fgrpo",
+    )
+    register_study_renderer(
+        "fgrpo", f"{results}:render", collect=f"{results}:collect", kinds=("fgrpo",)
     )
 
 
@@ -235,7 +227,7 @@ def _register_dpo() -> None:
         report=_DPO_REPORT,
     )
     # The distributed-DPO study's document (studies/dpo.yaml, `results: dpo`).
-    _register_studies({}, {"dpo": {"render": "ftis.algos.dpo.study_results:render"}})
+    register_study_renderer("dpo", "ftis.algos.dpo.study_results:render", kinds=("arms",))
 
 
 _DPO_REPORT = "ftis.algos.dpo.report:report_section"
@@ -251,7 +243,9 @@ def _register_population() -> None:
     register_algorithm("randopt", RandOptConfig, factory, report=report)
     register_algorithm("corp", CoRPConfig, factory, report=report)
     # The population study's document (studies/population.yaml, `results: population`).
-    _register_studies({}, {"population": {"render": "ftis.algos.randopt.study_results:render"}})
+    register_study_renderer(
+        "population", "ftis.algos.randopt.study_results:render", kinds=("arms",)
+    )
 
 
 _register_population()
@@ -268,7 +262,7 @@ def _register_swarm() -> None:
         launcher="ftis.algos.swarm.launch:run_swarm",
     )
     # The swarm study's document (studies/swarm.yaml, `results: swarm`).
-    _register_studies({}, {"swarm": {"render": "ftis.algos.swarm.study_results:render"}})
+    register_study_renderer("swarm", "ftis.algos.swarm.study_results:render", kinds=("arms",))
 
 
 _register_swarm()

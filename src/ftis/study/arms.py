@@ -80,7 +80,7 @@ class ArmsStudySpec(_Strict):
                 raise ValueError(
                     f"name {key!r} must be letters, digits, '_', '-' or '.' (it names folders)"
                 )
-        get_study_renderer(self.results)  # ValueError naming the registered ones
+        get_study_renderer(self.results, "arms")  # ValueError naming the registered ones
         return self
 
 

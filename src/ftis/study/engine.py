@@ -98,7 +98,7 @@ def renderer_of(study: Any):
             "(a study renderer registered by a system, e.g. population)"
         )
     try:
-        return get_study_renderer(name)
+        return get_study_renderer(name, kind.name)
     except ValueError as e:
         raise StudyError(f"study {study.path}: {e}") from None
 

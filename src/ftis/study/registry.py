@@ -44,6 +44,7 @@ class StudyRenderer:
     name: str
     render: Target
     collect: Target | None = None
+    kinds: tuple[str, ...] | None = None  # the study kinds it can render; None: any
 
     def render_fn(self) -> Callable[..., str]:
         return _resolve(self.render)
@@ -100,10 +101,15 @@ def register_study_kind(
 
 
 def register_study_renderer(
-    name: str, render: Target, *, collect: Target | None = None
+    name: str,
+    render: Target,
+    *,
+    collect: Target | None = None,
+    kinds: tuple[str, ...] | None = None,
 ) -> StudyRenderer:
-    """Make `results: <name>` available to studies (replacing an earlier registration)."""
-    r = StudyRenderer(name, render, collect)
+    """Make `results: <name>` available to studies of `kinds` (any kind when None), replacing
+    an earlier registration."""
+    r = StudyRenderer(name, render, collect, None if kinds is None else tuple(kinds))
     STUDY_RENDERERS[name] = r
     return r
 
@@ -115,15 +121,22 @@ def _load_systems() -> None:
     load_plugins()
 
 
-def get_study_renderer(name: str) -> StudyRenderer:
-    """The registered renderer `name`, or a ValueError listing the known ones."""
+def get_study_renderer(name: str, kind: str | None = None) -> StudyRenderer:
+    """The registered renderer `name` (that renders studies of `kind`, when given), or a
+    ValueError listing the ones that would do."""
     if name not in STUDY_RENDERERS:
         _load_systems()
-    if name not in STUDY_RENDERERS:
+    fits = sorted(
+        n for n, r in STUDY_RENDERERS.items() if kind is None or r.kinds is None or kind in r.kinds
+    )
+    if name not in fits:
+        if name in STUDY_RENDERERS:
+            why = f"renders no study of kind {kind!r}"
+        else:
+            why = "is not a registered study renderer"
         raise ValueError(
-            f"results: {name!r} is not a registered study renderer; choose one of: "
-            f"{', '.join(sorted(STUDY_RENDERERS))} (a system registers its own with "
-            "ftis.study.registry.register_study_renderer)"
+            f"results: {name!r} {why}; choose one of: {', '.join(fits)} (a system registers "
+            "its own with ftis.study.registry.register_study_renderer)"
         )
     return STUDY_RENDERERS[name]
 

@@ -134,7 +134,7 @@ class StudySpec(_Strict):
 
     @model_validator(mode="after")
     def _check_refs(self) -> StudySpec:
-        get_study_renderer(self.results)  # ValueError naming the registered ones
+        get_study_renderer(self.results, "grid")  # ValueError naming the registered ones
         for key in [self.name, *self.pairings, *self.methods]:
             if not _ID.fullmatch(key):
                 raise ValueError(
