@@ -1,7 +1,7 @@
 """The study engine: one way to read, list, run (with resume) and render any study.
 
     study = load_study("studies/population.yaml")   # by the file's `kind:` (grid when absent)
-    header, rows = plan_table(study)                 # `ftis sweep --dry-run`
+    header, rows = dry_run(study)                    # `ftis sweep --dry-run`
     run_study(study)                                 # every run not done yet, one at a time
     write_results(study)                             # the document, by the study's renderer
 
@@ -18,7 +18,7 @@ import yaml
 
 import ftis.study.runner as runner
 from ftis.study.document import write_document
-from ftis.study.registry import StudyKind, _resolve, get_study_kind, get_study_renderer
+from ftis.study.registry import StudyKind, get_study_kind, get_study_renderer, resolve
 from ftis.study.runner import SweepOutcome
 from ftis.study.spec import StudyError
 
@@ -47,13 +47,13 @@ def study_kind(study_or_path: Any) -> StudyKind:
 
 def load_study(path: str | Path) -> Any:
     """Read, validate and expand a study file of any registered kind (no training)."""
-    return _resolve(study_kind(path).load)(path)
+    return resolve(study_kind(path).load)(path)
 
 
 def _hooks(kind: StudyKind) -> dict[str, Any]:
     return {
-        "status": None if kind.status is None else _resolve(kind.status),
-        "execute": None if kind.execute is None else _resolve(kind.execute),
+        "status": None if kind.status is None else resolve(kind.status),
+        "execute": None if kind.execute is None else resolve(kind.execute),
     }
 
 
@@ -84,7 +84,7 @@ def dry_run(
     study: Any, *, out_dir: Path | None = None, only: str | None = None
 ) -> tuple[list[str], list[list[str]]]:
     """The `--dry-run` table of any study, by its kind."""
-    return _resolve(study_kind(study).plan)(study, out_dir=out_dir, only=only)
+    return resolve(study_kind(study).plan)(study, out_dir=out_dir, only=only)
 
 
 def renderer_of(study: Any):
@@ -109,5 +109,5 @@ def write_results(
     """Regenerate `study`'s document (and its plots) from its run directories, with its
     renderer; the hand-written reading of the existing document is kept."""
     renderer = renderer_of(study)
-    collect = renderer.collect_fn() or _resolve(study_kind(study).collect)
+    collect = renderer.collect_fn() or resolve(study_kind(study).collect)
     return write_document(study, out_dir, report_path, collect=collect, render=renderer.render_fn())

@@ -1,9 +1,9 @@
 """What a study can be and who writes its document: two registries, filled by the systems.
 
 A *study kind* says how a study file is read into runs, and (when an ordinary run from scratch
-is not all) when a run is done and how one is brought there; `ftis sweep` picks it by the file's `kind:` ("grid" when absent). ftis itself registers
-"grid" (loss methods x pairings x seeds, ftis.study.spec) and "arms" (any run configs x seeds,
-ftis.study.arms); a system whose study needs more (FGRPO derives its centralized and alone
+is not all) when a run is done and how one is brought there; `ftis sweep` picks it by the
+file's `kind:` ("grid" when absent). ftis itself registers "grid" (loss methods x pairings x
+seeds, ftis.study.spec) and "arms" (any run configs x seeds, ftis.study.arms); a system whose study needs more (FGRPO derives its centralized and alone
 baselines from the federation and evaluates them on every client) registers its own kind.
 
 A *study renderer* writes a study's document from its complete runs: `render(study, results,
@@ -30,7 +30,7 @@ from typing import Any
 Target = str | Callable[..., Any]
 
 
-def _resolve(target: Target) -> Callable[..., Any]:
+def resolve(target: Target) -> Callable[..., Any]:
     if isinstance(target, str):
         module, _, attr = target.partition(":")
         return getattr(importlib.import_module(module), attr)
@@ -47,10 +47,10 @@ class StudyRenderer:
     kinds: tuple[str, ...] | None = None  # the study kinds it can render; None: any
 
     def render_fn(self) -> Callable[..., str]:
-        return _resolve(self.render)
+        return resolve(self.render)
 
     def collect_fn(self) -> Callable[..., Any] | None:
-        return None if self.collect is None else _resolve(self.collect)
+        return None if self.collect is None else resolve(self.collect)
 
 
 @dataclass(frozen=True)
