@@ -1,4 +1,4 @@
-"""The FGRPO study (ftis.study.fgrpo, studies/fgrpo.yaml): its plan and derived configs, the
+"""The FGRPO study (ftis.algos.fgrpo.study, studies/fgrpo.yaml): its plan and derived configs, the
 union task, the stability measures, the document from hand-written run directories, and one
 tiny end-to-end study (in-process Flower engine, llama-xs, 2 rounds)."""
 
@@ -12,10 +12,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from ftis.cli import app
-from ftis.config import load_config
-from ftis.study import StudyError
-from ftis.study.fgrpo import (
+from ftis.algos.fgrpo.study import (
     CLIENT_EVAL,
     base_model_dir,
     is_fgrpo_study,
@@ -23,8 +20,11 @@ from ftis.study.fgrpo import (
     plan,
     union_task,
 )
-from ftis.study.fgrpo_results import stability, write_fgrpo_results
-from ftis.study.results import READING_BEGIN, READING_END
+from ftis.algos.fgrpo.study_results import stability, write_fgrpo_results
+from ftis.cli import app
+from ftis.config import load_config
+from ftis.study import StudyError
+from ftis.study.document import READING_BEGIN, READING_END
 from ftis.train.metrics import read_metrics
 from tests.test_fgrpo import fgrpo_run_config
 

@@ -224,54 +224,33 @@ def sweep(
     jobs: Annotated[int, typer.Option("--jobs", help="Runs at a time (only 1 for now).")] = 1,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
-    """Run a study (a grid of runs, resumable) and regenerate its results document.
-    A study file with `kind: fgrpo` is an FGRPO study (studies/fgrpo.yaml); one with
-    `kind: arms` compares arms of any algorithm kind (studies/population.yaml)."""
+    """Run a study (runs over seeds, resumable) and regenerate its results document.
+    The file's `kind:` picks how it is read: a grid of loss methods when absent
+    (studies/reasoning.yaml), `kind: arms` for arms of any algorithm (studies/population.yaml),
+    or a kind a system registered (`kind: fgrpo`, studies/fgrpo.yaml)."""
     _setup_logging(verbose)
-    from ftis.study import StudyError, load_study, plan, run_study, write_results
-    from ftis.study.arms import is_arms_study
-    from ftis.study.fgrpo import is_fgrpo_study
+    from ftis.study import StudyError
+    from ftis.study.engine import dry_run as plan_table
+    from ftis.study.engine import load_study, run_study, write_results
 
     if jobs != 1:
         _fail("--jobs: only 1 is supported (runs share the CPU; parallel runs distort timings)")
-    if is_fgrpo_study(study):
-        from ftis.study.fgrpo import load_fgrpo_study, run_fgrpo_study
-        from ftis.study.fgrpo import plan as fgrpo_plan
-        from ftis.study.fgrpo_results import write_fgrpo_results
-
-        load, run, write = load_fgrpo_study, run_fgrpo_study, write_fgrpo_results
-        header = ["run", "arm", "kind", "seed", "status"]
-
-        def rows(st):
-            return [
-                [r.id, r.arm, r.kind, str(r.seed), s]
-                for r, s in fgrpo_plan(st, out_dir=out, only=only)
-            ]
-    else:
-        if is_arms_study(study):
-            from ftis.study.arms import load_arms_study as load
-            from ftis.study.arms import write_arms_results as write
-
-            header = ["run", "arm", "seed", "status"]
-        else:
-            load, write = load_study, write_results
-            header = ["run", "variant", "seed", "status"]
-        run = run_study
-
-        def rows(st):
-            return [[r.id, r.variant, str(r.seed), s] for r, s in plan(st, out_dir=out, only=only)]
-
     try:
-        st = load(study)
+        st = load_study(study)
     except StudyError as e:
         _fail(str(e))
     if dry_run:
-        _print_table(header, rows(st), title=f"study {st.spec.name}")
+        header, rows = plan_table(st, out_dir=out, only=only)
+        _print_table(header, rows, title=f"study {st.spec.name}")
         return
     failed = {}
     if not report_only:
-        failed = run(st, out_dir=out, only=only, console=console).failed
-    console.print(f"results: {write(st, out_dir=out, report_path=report_path)}")
+        failed = run_study(st, out_dir=out, only=only, console=console).failed
+    try:
+        written = write_results(st, out_dir=out, report_path=report_path)
+    except StudyError as e:
+        _fail(str(e))
+    console.print(f"results: {written}")
     if failed:
         _fail(f"{len(failed)} run(s) failed: {', '.join(sorted(failed))}", code=1)
 

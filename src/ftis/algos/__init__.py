@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from ftis.study.registry import register_study_kind, register_study_renderer
+
 if TYPE_CHECKING:
     from ftis.algos.base import Algorithm, NodeContext, ServiceContext
 
@@ -178,6 +180,15 @@ def get_algorithm(kind: str) -> AlgorithmSpec:
 register_algorithm("ftis", FTISConfig, "ftis.algos.ftis.algorithm:FTISAlgorithm")
 
 
+# The F-TIS family's document of a grid study (docs/RESULTS.md, docs/results/reco.md).
+register_study_renderer(
+    "ftis",
+    "ftis.algos.ftis.study_results:render",
+    collect="ftis.algos.ftis.study_results:collect",
+    kinds=("grid",),
+)
+
+
 def _register_fgrpo() -> None:
     # Imported here: its config module subclasses AlgorithmConfig, defined above.
     from ftis.algos.fgrpo.config import FGRPOConfig
@@ -187,6 +198,20 @@ def _register_fgrpo() -> None:
         FGRPOConfig,
         "ftis.algos.fgrpo.launch:not_a_node",
         launcher="ftis.algos.fgrpo.launch:run_federated",
+    )
+    # The FGRPO study (studies/fgrpo.yaml, `kind: fgrpo`): aggregation rules against centralized
+    # GRPO and each client alone, derived from the federation; its document.
+    study, results = "ftis.algos.fgrpo.study", "ftis.algos.fgrpo.study_results"
+    register_study_kind(
+        "fgrpo",
+        f"{study}:load_fgrpo_study",
+        status=f"{study}:run_state",
+        execute=f"{study}:run_one",
+        plan=f"{study}:plan_table",
+        results="fgrpo",
+    )
+    register_study_renderer(
+        "fgrpo", f"{results}:render", collect=f"{results}:collect", kinds=("fgrpo",)
     )
 
 
@@ -215,6 +240,8 @@ def _register_dpo() -> None:
         launcher="ftis.algos.dpo.fed:run_fed_dpo",
         report=_DPO_REPORT,
     )
+    # The distributed-DPO study's document (studies/dpo.yaml, `results: dpo`).
+    register_study_renderer("dpo", "ftis.algos.dpo.study_results:render", kinds=("arms",))
 
 
 _DPO_REPORT = "ftis.algos.dpo.report:report_section"
@@ -229,6 +256,10 @@ def _register_population() -> None:
     report = "ftis.algos.randopt.report:report_section"
     register_algorithm("randopt", RandOptConfig, factory, report=report)
     register_algorithm("corp", CoRPConfig, factory, report=report)
+    # The population study's document (studies/population.yaml, `results: population`).
+    register_study_renderer(
+        "population", "ftis.algos.randopt.study_results:render", kinds=("arms",)
+    )
 
 
 _register_population()
@@ -244,6 +275,8 @@ def _register_swarm() -> None:
         "ftis.algos.swarm.algorithm:SwarmAlgorithm",
         launcher="ftis.algos.swarm.launch:run_swarm",
     )
+    # The swarm study's document (studies/swarm.yaml, `results: swarm`).
+    register_study_renderer("swarm", "ftis.algos.swarm.study_results:render", kinds=("arms",))
 
 
 _register_swarm()

@@ -5,7 +5,7 @@ FedDPO against gossip DPO), which the loss-method grid of `ftis.study.spec` cann
     kind: arms                           # what makes `ftis sweep` read the file this way
     name: population
     report: docs/results/population.md
-    results: population                  # which renderer writes the document (RENDERERS)
+    results: population                  # the study renderer that writes the document
     seeds: [0, 1, 2]
     set: [train.seed={seed}]             # overrides for every run; {seed} is the run's seed
     arms:
@@ -23,9 +23,7 @@ from scratch), `--only` and `--dry-run` are those of `ftis sweep` (ftis.study.ru
 
 from __future__ import annotations
 
-import importlib
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -34,18 +32,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ftis.config import ConfigError, RunConfig, format_validation_error, load_config
-from ftis.study.runner import RUN_META, run_status
+from ftis.study.document import READING_BEGIN, READING_END, code_line, invocations_line, rel, table
+from ftis.study.registry import get_study_renderer
+from ftis.study.runner import RUN_META, plan, run_status
 from ftis.study.spec import _ID, RunSpec, Study, StudyError
 from ftis.train.metrics import read_metrics
 
 KIND = "arms"
-
-# results: name -> "module:function(study, runs, missing, out_dir, report_path, reading) -> str"
-RENDERERS = {
-    "population": "ftis.study.population_results:render",
-    "dpo": "ftis.study.dpo_results:render",
-    "swarm": "ftis.study.swarm_results:render",
-}
 
 
 class _Strict(BaseModel):
@@ -69,7 +62,10 @@ class ArmsStudySpec(_Strict):
     description: str = Field("", description="A paragraph for the results document.")
     out: str | None = Field(None, description="Output folder; default runs/study-<name>.")
     report: str = Field(description="Results document, relative to the cwd.")
-    results: str = Field(description=f"Renderer of the document: {', '.join(RENDERERS)}.")
+    results: str = Field(
+        description="The study renderer that writes the document, registered by a system "
+        "(ftis.study.registry), e.g. population, dpo, swarm."
+    )
     seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
     set: list[str] = Field(default_factory=list, description="Overrides for every run.")
     arms: dict[str, ArmSpec] = Field(min_length=1)
@@ -84,8 +80,7 @@ class ArmsStudySpec(_Strict):
                 raise ValueError(
                     f"name {key!r} must be letters, digits, '_', '-' or '.' (it names folders)"
                 )
-        if self.results not in RENDERERS:
-            raise ValueError(f"results: {self.results!r} is not one of {', '.join(RENDERERS)}")
+        get_study_renderer(self.results, "arms")  # ValueError naming the registered ones
         return self
 
 
@@ -196,19 +191,22 @@ def collect(study: Study, out_dir: Path) -> tuple[list[ArmResult], list[str]]:
     return results, missing
 
 
-def renderer(name: str) -> Callable[..., str]:
-    module, func = RENDERERS[name].split(":")
-    return getattr(importlib.import_module(module), func)
+def plan_table(
+    study: Study, *, out_dir: Path | None = None, only: str | None = None
+) -> tuple[list[str], list[list[str]]]:
+    """The `--dry-run` table: run, arm, seed, status."""
+    rows = [[r.id, r.variant, str(r.seed), s] for r, s in plan(study, out_dir=out_dir, only=only)]
+    return ["run", "arm", "seed", "status"], rows
 
 
 def write_arms_results(
     study: Study, *, out_dir: Path | None = None, report_path: Path | None = None
 ) -> Path:
-    """Regenerate the study's document (and its plots) from its run directories."""
-    from ftis.study.results import write_document
+    """Regenerate the study's document (and its plots) from its run directories, with the
+    renderer its `results` names (ftis.study.engine.write_results)."""
+    from ftis.study.engine import write_results
 
-    render = renderer(study.spec.results)  # type: ignore[attr-defined]
-    return write_document(study, out_dir, report_path, collect=collect, render=render)
+    return write_results(study, out_dir=out_dir, report_path=report_path)
 
 
 def arm_config(study: Study, arm: str) -> RunConfig:
@@ -218,8 +216,6 @@ def arm_config(study: Study, arm: str) -> RunConfig:
 
 def runs_table(results: list[ArmResult], out_dir: Path) -> list[str]:
     """Every complete run: arm, seed, wall seconds, code."""
-    from ftis.study.results import _rel, _table
-
     rows = [
         [
             r.run.id,
@@ -230,7 +226,7 @@ def runs_table(results: list[ArmResult], out_dir: Path) -> list[str]:
         ]
         for r in results
     ]
-    return [f"Runs in `{_rel(out_dir)}`:", "", *_table(["run", "arm", "seed", "s", "code"], rows)]
+    return [f"Runs in `{rel(out_dir)}`:", "", *table(["run", "arm", "seed", "s", "code"], rows)]
 
 
 def document_head(
@@ -244,21 +240,19 @@ def document_head(
 ) -> list[str]:
     """The opening of an arms study's document: title, provenance, description, the code the
     runs were made with, sweep wall time, incomplete runs and the set-up section."""
-    from ftis.study.results import _code_line, _invocations_line, _rel
-
     spec = study.spec
     L = [
         f"# {spec.name}: {title}",
         "",
-        f"Generated by `ftis sweep {_rel(study.path)}` from the run directories in "
-        f"`{_rel(out_dir)}`; do not edit by hand (except the reading, which is kept). {note}",
+        f"Generated by `ftis sweep {rel(study.path)}` from the run directories in "
+        f"`{rel(out_dir)}`; do not edit by hand (except the reading, which is kept). {note}",
         "",
         spec.description.strip(),
         "",
-        _code_line(results),  # type: ignore[arg-type]
+        code_line(results),
         "",
     ]
-    inv = _invocations_line(out_dir)
+    inv = invocations_line(out_dir)
     if inv:
         L += [inv, ""]
     if missing:
@@ -268,8 +262,6 @@ def document_head(
 
 def document_tail(results: list[ArmResult], out_dir: Path, reading: str) -> list[str]:
     """The runs table and the hand-written reading (kept across regenerations)."""
-    from ftis.study.results import READING_BEGIN, READING_END
-
     return [
         "## Runs",
         "",
@@ -303,8 +295,6 @@ def image(path: Path, report: Path, alt: str) -> str:
 
 def setup_lines(study: Study) -> list[str]:
     """The study's arms, with their configs and overrides, for the document's set-up section."""
-    from ftis.study.results import _table
-
     spec = study.spec
     rows = []
     for key, arm in spec.arms.items():  # type: ignore[attr-defined]
@@ -314,7 +304,7 @@ def setup_lines(study: Study) -> list[str]:
     return [
         f"Seeds: {', '.join(map(str, spec.seeds))}. Overrides of every run: {common}.",
         "",
-        *_table(["arm", "label", "config", "overrides", "what"], rows),
+        *table(["arm", "label", "config", "overrides", "what"], rows),
     ]
 
 

@@ -1,4 +1,6 @@
-"""Run a study: every run of the grid, one after another, each an ordinary run directory.
+"""Run a study: every run not done yet, one after another, each an ordinary run directory. The
+one loop of every study kind; a kind may bring its own `status` and `execute` hooks (FGRPO's
+centralized runs are evaluated on every client after training).
 
 Resume rule: a run whose metrics.jsonl has its final step for every node is done and skipped; any
 other existing run directory is incomplete and is deleted and run again from scratch (runs are
@@ -11,6 +13,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -95,15 +98,37 @@ def _fmt_s(s: float) -> str:
     return f"{m}m{s:02d}s"
 
 
+# status(run, run_dir) -> "done" | "todo" | "incomplete" | a kind's own state
+StatusHook = Callable[[RunSpec, Path], str]
+# execute(run, run_dir, status, *, console) -> seconds: bring the run to "done"
+ExecuteHook = Callable[..., float]
+
+
+def default_status(run: RunSpec, run_dir: Path) -> str:
+    return run_status(run_dir, run.config)
+
+
+def default_execute(
+    run: RunSpec, run_dir: Path, status: str, *, console: Console | None = None
+) -> float:
+    return execute_run(run, run_dir, console=console)
+
+
 def run_study(
     study: Study,
     *,
     out_dir: Path | None = None,
     only: str | None = None,
     console: Console | None = None,
+    status: StatusHook | None = None,
+    execute: ExecuteHook | None = None,
 ) -> SweepOutcome:
-    """Run every selected run not already done, sequentially. A failing run is logged and
-    recorded, and the sweep goes on; Ctrl-C stops it (the interrupted run is redone next time)."""
+    """Run every selected run not already done, sequentially (`status` says which are done,
+    `execute` runs one; by default: every node logged its last step, and an ordinary run from
+    scratch). A failing run is logged and recorded, and the sweep goes on; Ctrl-C stops it (the
+    interrupted run is redone next time)."""
+    status = status or default_status
+    execute = execute or default_execute
     out_dir = Path(out_dir) if out_dir else study.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = study.select(only)
@@ -113,10 +138,11 @@ def run_study(
     for r in sorted(
         runs, key=lambda r: study.spec.seeds.index(r.seed) if r.seed in study.spec.seeds else 0
     ):
-        if run_status(out_dir / r.id, r.config) == "done":
+        state = status(r, out_dir / r.id)
+        if state == "done":
             outcome.skipped.append(r.id)
         else:
-            todo.append(r)
+            todo.append((r, state))
     log.info(
         "study %s: %d runs selected, %d already done, %d to run, into %s",
         study.spec.name,
@@ -135,13 +161,13 @@ def run_study(
     ]
     with Progress(*columns, console=console) as progress:
         bar = progress.add_task(f"study {study.spec.name}", total=len(todo), info="")
-        for k, run in enumerate(todo, start=1):
+        for k, (run, state) in enumerate(todo, start=1):
             eta = ""
             if k > 1:  # mean time of the runs so far (failed ones included) x runs left
                 eta = f", about {_fmt_s((time.time() - t_start) / (k - 1) * (len(todo) - k + 1))} left"
             progress.update(bar, info=f"run {k}/{len(todo)}: {run.id}{eta}")
             try:
-                seconds = execute_run(run, out_dir / run.id, console=console)
+                seconds = execute(run, out_dir / run.id, state, console=console)
             except KeyboardInterrupt:
                 raise
             except Exception as e:  # one failed run must not stop the study
@@ -215,7 +241,14 @@ def _record_invocation(
     _write_json(path, data)
 
 
-def plan(study: Study, *, out_dir: Path | None = None, only: str | None = None) -> list[tuple]:
+def plan(
+    study: Study,
+    *,
+    out_dir: Path | None = None,
+    only: str | None = None,
+    status: StatusHook | None = None,
+) -> list[tuple]:
     """(run, status) for every selected run, without running anything (`--dry-run`)."""
+    status = status or default_status
     out_dir = Path(out_dir) if out_dir else study.out_dir
-    return [(r, run_status(out_dir / r.id, r.config)) for r in study.select(only)]
+    return [(r, status(r, out_dir / r.id)) for r in study.select(only)]

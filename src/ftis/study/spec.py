@@ -40,6 +40,7 @@ from ftis.config import (
     format_validation_error,
     load_config,
 )
+from ftis.study.registry import get_study_renderer
 
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _KEY = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
@@ -115,6 +116,7 @@ class GridBlock(_Strict):
 
 
 class StudySpec(_Strict):
+    kind: Literal["grid"] = Field("grid", description="A grid study (the default kind).")
     name: str = Field(description="Study name; default output runs/study-<name>.")
     description: str = Field("", description="A paragraph for the results document.")
     out: str | None = Field(None, description="Output folder; default runs/study-<name>.")
@@ -124,9 +126,15 @@ class StudySpec(_Strict):
     pairings: dict[str, PairingSpec] = Field(min_length=1)
     methods: dict[str, MethodSpec] = Field(min_length=1)
     grid: list[GridBlock] = Field(min_length=1)
+    results: str = Field(
+        "ftis",
+        description="The study renderer that writes the document (ftis.study.registry); "
+        "default: the F-TIS family's, registered by ftis.algos.ftis.",
+    )
 
     @model_validator(mode="after")
     def _check_refs(self) -> StudySpec:
+        get_study_renderer(self.results, "grid")  # ValueError naming the registered ones
         for key in [self.name, *self.pairings, *self.methods]:
             if not _ID.fullmatch(key):
                 raise ValueError(

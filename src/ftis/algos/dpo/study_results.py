@@ -16,7 +16,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from ftis.study.arms import ArmResult, document_head, document_tail, image, save_figure
-from ftis.study.results import _table, fmt_pct, mean_std
+from ftis.study.document import fmt_pct, mean_std
+from ftis.study.document import table as _table
 from ftis.study.spec import Study
 
 PREF = "eval/preference_accuracy"

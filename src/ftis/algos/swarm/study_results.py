@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ftis.study.arms import ArmResult, document_head, document_tail, image, save_figure
-from ftis.study.results import _table
+from ftis.study.document import table as _table
 from ftis.study.spec import Study
 
 ACC = "eval/accuracy"

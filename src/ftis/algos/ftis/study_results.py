@@ -1,8 +1,10 @@
-"""Turn a study's run directories into docs/RESULTS.md: tables (mean ± std over seeds), curves and
-the equal-budget plots. Everything is recomputed from each run's metrics.jsonl.
+"""The F-TIS family's study document (docs/RESULTS.md, docs/results/reco.md, ...): a grid study's
+run directories turned into tables (mean ± std over seeds), curves and the equal-budget plots.
+Everything is recomputed from each run's metrics.jsonl. Registered as the study renderer "ftis"
+(the default of a grid study's `results`) in ftis.algos.
 
 A section between READING_BEGIN and READING_END in an existing results file is hand-written and is
-carried over verbatim when the file is regenerated.
+carried over verbatim when the file is regenerated (ftis.study.document).
 """
 
 from __future__ import annotations
@@ -16,14 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftis.study.runner import RUN_META, STUDY_LOG, run_status
+from ftis.study.document import READING_BEGIN, READING_END, fmt_pct, mean_std
+from ftis.study.document import code_line as _code_line
+from ftis.study.document import invocations_line as _invocations_line
+from ftis.study.document import rel as _rel
+from ftis.study.document import table as _table
+from ftis.study.runner import RUN_META, run_status
 from ftis.study.spec import RunSpec, Study
 from ftis.train.metrics import read_metrics
 
 log = logging.getLogger(__name__)
 
-READING_BEGIN = "<!-- BEGIN hand-written reading: kept when this file is regenerated -->"
-READING_END = "<!-- END hand-written reading -->"
 SPLITS = ("test", "ood")
 
 
@@ -139,20 +144,6 @@ def collect(study: Study, out_dir: Path) -> tuple[list[RunResult], list[str]]:
         curves = node_curves(read_metrics(d / "metrics.jsonl"))
         results.append(RunResult(run, curves, meta.get("seconds"), meta.get("code")))
     return results, missing
-
-
-def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (n - 1; 0 for a single value)."""
-    m = statistics.fmean(values)
-    s = statistics.stdev(values) if len(values) > 1 else 0.0
-    return m, s
-
-
-def fmt_pct(values: list[float]) -> str:
-    if not values:
-        return "-"
-    m, s = mean_std(values)
-    return f"{100 * m:.1f} ± {100 * s:.1f}"
 
 
 # ------------------------------------------------------------------------------------ grouping
@@ -359,14 +350,6 @@ def plot_passk(study: Study, results: list[RunResult], path: Path) -> bool:
 
 
 # ------------------------------------------------------------------------------------- document
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return [
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join("---" for _ in header) + "|",
-        *("| " + " | ".join(r) + " |" for r in rows),
-    ]
 
 
 def _main_variants(study: Study, pairing: str) -> list[str]:
@@ -773,26 +756,6 @@ def _offpolicy_section(study: Study, results: list[RunResult]) -> list[str]:
     return L
 
 
-def _code_line(results: list[RunResult]) -> str:
-    """Which code made the runs (`ftis` version + git commit, recorded by `ftis sweep`)."""
-    counts: dict[str, int] = {}
-    for r in results:
-        key = r.code or "unrecorded (runs made before ftis recorded its version)"
-        counts[key] = counts.get(key, 0) + 1
-    if not counts:
-        return "Code: no complete run yet."
-    parts = [f"`{c}` ({n} runs)" for c, n in sorted(counts.items(), key=lambda kv: -kv[1])]
-    return "Code the runs were made with: " + ", ".join(parts) + "."
-
-
-def _rel(path: Path) -> str:
-    """A path relative to the working directory when it lies under it (for commands in docs)."""
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
-
-
 def _budget_variants(study: Study) -> list[str]:
     wanted = ["alone", "f-tis", "vis", "nois"]
     return [m for m in wanted if m in study.spec.methods]
@@ -882,57 +845,3 @@ def _gain_table(study: Study, results: list[RunResult]) -> list[str]:
     width = max(len(r) for r in rows)
     rows = [r + [""] * (width - len(r)) for r in rows]
     return _table(["pairing", "method"] + [f"node {i + 1}" for i in range(width - 2)], rows)
-
-
-def _invocations_line(out_dir: Path) -> str:
-    try:
-        inv = json.loads((out_dir / STUDY_LOG).read_text())["invocations"]
-    except (OSError, ValueError, KeyError):
-        return ""
-    ran = [i for i in inv if i.get("executed")]
-    if not ran:
-        return ""
-    total = sum(i["seconds"] for i in ran)
-    codes = sorted({i.get("code") or "unknown" for i in ran})
-    return (
-        f"`ftis sweep` wall time over {len(ran)} invocation(s) that ran something: "
-        f"{total / 60:.1f} min; code: {', '.join(f'`{c}`' for c in codes)}."
-    )
-
-
-def existing_reading(path: Path) -> str:
-    if not path.exists():
-        return ""
-    text = path.read_text()
-    if READING_BEGIN in text and READING_END in text:
-        return (
-            text.split(READING_BEGIN, 1)[1]
-            .split(READING_END, 1)[0]
-            .strip()
-            .removeprefix("_Not written yet._")
-        )
-    return ""
-
-
-def write_document(
-    study: Any, out_dir: Path | None, report_path: Path | None, *, collect, render
-) -> Path:
-    """Regenerate a study's document (and its plots) from its run directories: `collect(study,
-    out_dir)` gives (results, missing), `render(study, results, missing, out_dir, report_path,
-    reading)` the text; the hand-written reading of the existing document is carried over. The
-    one writer of every kind of study (grid, FGRPO, arms)."""
-    out_dir = Path(out_dir) if out_dir else study.out_dir
-    report_path = Path(report_path) if report_path else Path(study.spec.report)
-    results, missing = collect(study, out_dir)
-    reading = existing_reading(report_path)
-    report_path.parent.mkdir(parents=True, exist_ok=True)
-    report_path.write_text(render(study, results, missing, out_dir, report_path, reading))
-    log.info("results: %s (%d of %d runs complete)", report_path, len(results), len(study.runs))
-    return report_path
-
-
-def write_results(
-    study: Study, *, out_dir: Path | None = None, report_path: Path | None = None
-) -> Path:
-    """Regenerate the results document (and its plots) from the study's run directories."""
-    return write_document(study, out_dir, report_path, collect=collect, render=render)

@@ -53,18 +53,18 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ftis.config import ConfigError, RunConfig, apply_overrides, format_validation_error
 from ftis.config import load_config as load_run_config
 from ftis.study.runner import (
     RUN_META,
     SweepOutcome,
-    _record_invocation,
     code_version,
     execute_run,
     run_status,
+    run_study,
 )
+from ftis.study.runner import plan as runner_plan
 from ftis.study.spec import _ID, StudyError
 
 log = logging.getLogger(__name__)
@@ -590,8 +590,17 @@ def plan(
     study: FGRPOStudy, *, out_dir: Path | None = None, only: str | None = None
 ) -> list[tuple[FGRPORun, Status]]:
     """(run, status) for every selected run, without running anything (`--dry-run`)."""
-    out_dir = Path(out_dir) if out_dir else study.out_dir
-    return [(r, run_state(r, out_dir / r.id)) for r in study.select(only)]
+    return runner_plan(study, out_dir=out_dir, only=only, status=run_state)  # type: ignore[arg-type]
+
+
+def plan_table(
+    study: FGRPOStudy, *, out_dir: Path | None = None, only: str | None = None
+) -> tuple[list[str], list[list[str]]]:
+    """The `--dry-run` table: run, arm, arm kind, seed, status."""
+    rows = [
+        [r.id, r.arm, r.kind, str(r.seed), s] for r, s in plan(study, out_dir=out_dir, only=only)
+    ]
+    return ["run", "arm", "kind", "seed", "status"], rows
 
 
 def _update_meta(run_dir: Path, **values: Any) -> None:
@@ -604,11 +613,6 @@ def _update_meta(run_dir: Path, **values: Any) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(meta, indent=1))
     tmp.replace(path)
-
-
-def _fmt_s(s: float) -> str:
-    m, s = divmod(int(s), 60)
-    return f"{m}m{s:02d}s"
 
 
 def run_one(run: FGRPORun, run_dir: Path, status: Status, *, console: Console | None) -> float:
@@ -634,48 +638,14 @@ def run_fgrpo_study(
     console: Console | None = None,
 ) -> SweepOutcome:
     """Run every selected run that is not done, one after another (seed by seed, arms in the
-    study's order). A failing run is logged and recorded and the study goes on; Ctrl-C stops it
-    (the interrupted run is redone next time)."""
-    out_dir = Path(out_dir) if out_dir else study.out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    states = plan(study, out_dir=out_dir, only=only)
-    outcome = SweepOutcome(selected=len(states))
-    todo = [(r, s) for r, s in states if s != "done"]
-    outcome.skipped = [r.id for r, s in states if s == "done"]
-    log.info(
-        "study %s: %d runs selected, %d already done, %d to run, into %s",
-        study.spec.name,
-        len(states),
-        len(outcome.skipped),
-        len(todo),
-        out_dir,
+    study's order), by the study engine's loop with this kind's hooks (`run_state`, `run_one`).
+    A failing run is logged and recorded and the study goes on; Ctrl-C stops it (the
+    interrupted run is redone next time)."""
+    return run_study(
+        study,  # type: ignore[arg-type]
+        out_dir=out_dir,
+        only=only,
+        console=console,
+        status=run_state,  # type: ignore[arg-type]
+        execute=run_one,
     )
-    t_start = time.time()
-    columns = [
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[info]}"),
-    ]
-    with Progress(*columns, console=console) as progress:
-        bar = progress.add_task(f"study {study.spec.name}", total=len(todo), info="")
-        for k, (run, status) in enumerate(todo, start=1):
-            eta = ""
-            if k > 1:
-                eta = f", about {_fmt_s((time.time() - t_start) / (k - 1) * (len(todo) - k + 1))} left"
-            progress.update(bar, info=f"run {k}/{len(todo)}: {run.id}{eta}")
-            try:
-                seconds = run_one(run, out_dir / run.id, status, console=console)
-            except KeyboardInterrupt:
-                raise
-            except Exception as e:  # one failed run must not stop the study
-                outcome.failed[run.id] = f"{type(e).__name__}: {e}"
-                log.error("run %s failed: %s", run.id, outcome.failed[run.id])
-            else:
-                outcome.executed.append(run.id)
-                log.info("run %d/%d %s: %.0f s", k, len(todo), run.id, seconds)
-            progress.advance(bar)
-    outcome.seconds = time.time() - t_start
-    _record_invocation(out_dir, study, outcome, t_start, only)  # type: ignore[arg-type]
-    return outcome

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftis.study.fgrpo import CLIENT_EVAL, FGRPORun, FGRPOStudy, run_state
-from ftis.study.results import READING_BEGIN, READING_END, fmt_pct, mean_std, write_document
+from ftis.algos.fgrpo.study import CLIENT_EVAL, FGRPORun, FGRPOStudy, run_state
+from ftis.study.document import READING_BEGIN, READING_END, fmt_pct, mean_std
+from ftis.study.document import rel as _rel
+from ftis.study.document import table as _table
 from ftis.study.runner import RUN_META, STUDY_LOG
 from ftis.train.metrics import read_metrics
 
@@ -308,21 +310,6 @@ def plot_finals(study: FGRPOStudy, results: list[RunData], path: Path, last_roun
 
 
 # ---------------------------------------------------------------------------------- document
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return [
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join("---" for _ in header) + "|",
-        *("| " + " | ".join(r) + " |" for r in rows),
-    ]
-
-
-def _rel(path: Path) -> str:
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
 
 
 def _ops(task: dict[str, Any]) -> str:
@@ -648,5 +635,8 @@ def render(
 def write_fgrpo_results(
     study: FGRPOStudy, *, out_dir: Path | None = None, report_path: Path | None = None
 ) -> Path:
-    """Regenerate the study's results document (and its plots) from its run directories."""
-    return write_document(study, out_dir, report_path, collect=collect, render=render)
+    """Regenerate the study's results document (and its plots) from its run directories (the
+    study kind "fgrpo" names this module's renderer; ftis.study.engine.write_results)."""
+    from ftis.study.engine import write_results
+
+    return write_results(study, out_dir=out_dir, report_path=report_path)

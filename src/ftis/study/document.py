@@ -1,0 +1,108 @@
+"""What every study document shares, whatever renders it: the hand-written reading kept across
+regenerations, the one writer of a document (`write_document`), and small formatting helpers
+(Markdown tables, mean ± std, which code made the runs, how long `ftis sweep` ran). Nothing here
+knows an algorithm; each algorithm's tables and plots live with it (ftis.study.registry)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from pathlib import Path
+from typing import Any
+
+from ftis.study.runner import STUDY_LOG
+
+log = logging.getLogger(__name__)
+
+READING_BEGIN = "<!-- BEGIN hand-written reading: kept when this file is regenerated -->"
+READING_END = "<!-- END hand-written reading -->"
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1; 0 for a single value)."""
+    m = statistics.fmean(values)
+    s = statistics.stdev(values) if len(values) > 1 else 0.0
+    return m, s
+
+
+def fmt_pct(values: list[float]) -> str:
+    if not values:
+        return "-"
+    m, s = mean_std(values)
+    return f"{100 * m:.1f} ± {100 * s:.1f}"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" for _ in header) + "|",
+        *("| " + " | ".join(r) + " |" for r in rows),
+    ]
+
+
+def code_line(results: list[Any]) -> str:
+    """Which code made the runs (`ftis` version + git commit, recorded by `ftis sweep`)."""
+    counts: dict[str, int] = {}
+    for r in results:
+        key = r.code or "unrecorded (runs made before ftis recorded its version)"
+        counts[key] = counts.get(key, 0) + 1
+    if not counts:
+        return "Code: no complete run yet."
+    parts = [f"`{c}` ({n} runs)" for c, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+    return "Code the runs were made with: " + ", ".join(parts) + "."
+
+
+def rel(path: Path) -> str:
+    """A path relative to the working directory when it lies under it (for commands in docs)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def invocations_line(out_dir: Path) -> str:
+    try:
+        inv = json.loads((out_dir / STUDY_LOG).read_text())["invocations"]
+    except (OSError, ValueError, KeyError):
+        return ""
+    ran = [i for i in inv if i.get("executed")]
+    if not ran:
+        return ""
+    total = sum(i["seconds"] for i in ran)
+    codes = sorted({i.get("code") or "unknown" for i in ran})
+    return (
+        f"`ftis sweep` wall time over {len(ran)} invocation(s) that ran something: "
+        f"{total / 60:.1f} min; code: {', '.join(f'`{c}`' for c in codes)}."
+    )
+
+
+def existing_reading(path: Path) -> str:
+    if not path.exists():
+        return ""
+    text = path.read_text()
+    if READING_BEGIN in text and READING_END in text:
+        return (
+            text.split(READING_BEGIN, 1)[1]
+            .split(READING_END, 1)[0]
+            .strip()
+            .removeprefix("_Not written yet._")
+        )
+    return ""
+
+
+def write_document(
+    study: Any, out_dir: Path | None, report_path: Path | None, *, collect, render
+) -> Path:
+    """Regenerate a study's document (and its plots) from its run directories: `collect(study,
+    out_dir)` gives (results, missing), `render(study, results, missing, out_dir, report_path,
+    reading)` the text; the hand-written reading of the existing document is carried over. The
+    one writer of every kind of study (grid, FGRPO, arms)."""
+    out_dir = Path(out_dir) if out_dir else study.out_dir
+    report_path = Path(report_path) if report_path else Path(study.spec.report)
+    results, missing = collect(study, out_dir)
+    reading = existing_reading(report_path)
+    report_path.parent.mkdir(parents=True, exist_ok=True)
+    report_path.write_text(render(study, results, missing, out_dir, report_path, reading))
+    log.info("results: %s (%d of %d runs complete)", report_path, len(results), len(study.runs))
+    return report_path
