@@ -187,6 +187,14 @@ register_study_renderer(
     collect="ftis.algos.ftis.study_results:collect",
     kinds=("grid",),
 )
+# The collaboration study's document (studies/collab.yaml -> docs/results/collab.md): every
+# sharing method against training alone, with paired intervals over seeds and problems.
+register_study_renderer(
+    "collab",
+    "ftis.algos.ftis.collab:render",
+    collect="ftis.algos.ftis.collab:collect",
+    kinds=("grid",),
+)
 
 
 def _register_fgrpo() -> None:

@@ -46,6 +46,10 @@ _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _KEY = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 
 
+# the run-id tag of a non-default sharing scheme
+SCHEME_TAGS = {"horizontal": "h", "joint": "j"}
+
+
 class StudyError(ValueError):
     """A study file is invalid; the message says where and how to fix it."""
 
@@ -73,6 +77,11 @@ class MethodSpec(_Strict):
         "loss.reco_token_ratio=false, optim.lr=3e-4), applied to every node of the run like "
         "`loss`: after the study's and the pairing's `set`, before the grid's threshold. The run "
         "id does not change: give such variants their own method key.",
+    )
+    run_set: list[str] = Field(
+        default_factory=list,
+        description="Overrides of run fields, KEY=VALUE (e.g. train.group_size=8 for an Alone "
+        "baseline that generates what a collaborating node trains on), applied after `set`.",
     )
 
     @field_validator("loss")
@@ -107,7 +116,9 @@ class GridBlock(_Strict):
 
     pairings: list[str] = Field(min_length=1)
     methods: list[str] = Field(min_length=1)
-    schemes: list[Literal["vertical", "horizontal"]] = Field(default_factory=lambda: ["vertical"])
+    schemes: list[Literal["vertical", "horizontal", "joint"]] = Field(
+        default_factory=lambda: ["vertical"]
+    )
     thresholds: list[float | None] = Field(
         default_factory=lambda: [None],
         description="loss.filter_threshold (g); null keeps the base config's value.",
@@ -126,6 +137,9 @@ class StudySpec(_Strict):
     pairings: dict[str, PairingSpec] = Field(min_length=1)
     methods: dict[str, MethodSpec] = Field(min_length=1)
     grid: list[GridBlock] = Field(min_length=1)
+    options: dict = Field(
+        default_factory=dict, description="Settings for the study's renderer (`results`)."
+    )
     results: str = Field(
         "ftis",
         description="The study renderer that writes the document (ftis.study.registry); "
@@ -171,10 +185,11 @@ class RunSpec:
 
     @property
     def variant(self) -> str:
-        """The method plus any ablation axes, e.g. 'f-tis', 'f-tis h', 'f-tis g=5'."""
+        """The method plus any ablation axes, e.g. 'f-tis', 'f-tis h', 'f-tis g=5' ('j': joint
+        groups)."""
         parts = [self.method]
         if self.scheme != "vertical":
-            parts.append("h")
+            parts.append(SCHEME_TAGS[self.scheme])
         if self.threshold is not None:
             parts.append(f"g={self.threshold:g}")
         return " ".join(parts)
@@ -236,7 +251,7 @@ def run_id(
     if node is not None:
         parts.append(node)
     if scheme != "vertical":
-        parts.append("h")
+        parts.append(SCHEME_TAGS[scheme])
     if threshold is not None:
         parts.append(f"g{_fmt_threshold(threshold)}")
     parts.append(f"s{seed}")
@@ -290,6 +305,7 @@ def expand(spec: StudySpec, study_path: Path) -> list[RunSpec]:
                 *_node_overrides(len(head.nodes), m.loss, g, m.set),
                 f"sharing.scheme={scheme}",
                 f"train.seed={seed}",
+                *m.run_set,
             ]
             if m.alone:
                 targets = [(i, n.name) for i, n in enumerate(head.nodes)]
