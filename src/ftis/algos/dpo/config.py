@@ -324,12 +324,15 @@ class FedDPOConfig(DPOConfig):
         description="q_max: the oldest global model a client may start from, in rounds behind "
         "the current one; the server keeps the last q_max + 1 global models. 0 = plain FedAvg.",
     )
-    staleness: Literal["last-participation", "random"] = Field(
-        "last-participation",
-        description="How a client's delay d is decided (max_staleness > 0): last-participation "
-        "= it starts from the global model of the start of its last round taken part in (the "
-        "initial model if none), refreshed to the current model when that is more than "
-        "max_staleness rounds old; random = a seeded d in [0, max_staleness] per participation.",
+    staleness: Literal["age", "last-participation", "random"] = Field(
+        "age",
+        description="How a client's delay d is decided (max_staleness > 0): age = it starts "
+        "from the global model made by the last round it took part in (the initial model if "
+        "none), at most max_staleness rounds old: d = min(rounds sat out, max_staleness), 0 "
+        "under full participation; last-participation (the authors' code) = from the model "
+        "it was sent in its last round, d = 1 + rounds sat out, refreshed to the current "
+        "model when more than max_staleness; random = a seeded d in [0, max_staleness] per "
+        "participation.",
     )
     weighting: Literal["uniform", "data-size"] = Field(
         "uniform",
