@@ -92,7 +92,16 @@ class PopulationAlgorithm:
         self.current = self.stage0
         self.stage0_known = True  # False after a resume past consolidation (theta_0 not kept)
         self.base_sha = weights_sha256(ctx.node.model)
-        self.base_digest = bytes.fromhex(self.base_sha)[:16]
+        # The digest on every payload: the base weights and the weights this party rebuilds
+        # from a check direction of two members (docs/math.md §10.1). A party that rebuilds
+        # other bits from the same seeds (another noise kernel) is refused by every other one.
+        check = [(self.seeds[0], self.sigmas[0], 1.0)]
+        if a.population > 1:
+            check.append((self.seeds[1], self.sigmas[1], -0.5))
+        self.rebuild_sha = self.stage0.rebuilt_sha256(check)
+        self.base_digest = hashlib.sha256(f"{self.base_sha}|{self.rebuild_sha}".encode()).digest()[
+            :16
+        ]
         own_task = build_task(a.node_task(ctx.cfg, ctx.node.name))
         self.own_task = own_task
         self.support, self.probe = private_sets(
@@ -434,9 +443,25 @@ class PopulationAlgorithm:
                 )
             except PayloadError as e:
                 rejected += 1
-                log.warning(
-                    "node %s step %d: rejected rank %d's rewards: %s", self.node.name, step, peer, e
-                )
+                if "digest" in str(e):  # another model or other noise: never a transient fault
+                    log.error(
+                        "node %s step %d: refused rank %d: it rebuilds other weights from the "
+                        "same seeds (its digest of the base weights and of a check direction "
+                        "rebuilt on them differs: other base weights, or a torch whose noise "
+                        "differs); its rewards are left out of every pool. %s",
+                        self.node.name,
+                        step,
+                        peer,
+                        e,
+                    )
+                else:
+                    log.warning(
+                        "node %s step %d: rejected rank %d's rewards: %s",
+                        self.node.name,
+                        step,
+                        peer,
+                        e,
+                    )
         self.counters["rejected_total"] += rejected
         return got, rejected
 

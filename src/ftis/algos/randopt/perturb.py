@@ -45,6 +45,16 @@ def weights_sha256(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def tensors_sha256(tensors: Sequence[torch.Tensor]) -> str:
+    """Hex sha256 of a list of tensors (dtype, shape and bytes, in order)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        c = t.detach().to("cpu").contiguous().reshape(-1)
+        h.update(f"{c.dtype}|{tuple(t.shape)}|".encode())
+        h.update(c.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 class Perturber:
     """Writes seeded perturbations of the center weights into a model.
 
@@ -77,6 +87,15 @@ class Perturber:
         """model <- center, exactly."""
         for (_, p), c in zip(self.named, self.center, strict=True):
             p.copy_(c)
+
+    def rebuilt_sha256(self, triples: Sequence[Triple]) -> str:
+        """sha256 of the perturbed tensors of center + direction `triples` (the model is left at
+        the center): two parties with the same digest rebuild the same weights bit for bit."""
+        self.apply(triples)
+        try:
+            return tensors_sha256([p for _, p in self.named])
+        finally:
+            self.restore()
 
     def recenter(self) -> None:
         """Make the model's current weights the new center."""
