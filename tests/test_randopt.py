@@ -184,7 +184,7 @@ def test_lora_nodes_perturb_their_adapters_only():
 
 
 def test_corp_runs_through_the_shell_and_its_saved_direction_rebuilds_the_checkpoint(tmp_path):
-    cfg = RunConfig.model_validate(_cfg())
+    cfg = RunConfig.model_validate(_cfg(validation_gate=False))  # always applied
     res = train_node(cfg, rank=0, run_dir=tmp_path)
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -218,6 +218,43 @@ def test_corp_runs_through_the_shell_and_its_saved_direction_rebuilds_the_checkp
     fresh = build_node(cfg.nodes[0], rank=0, task_cfg=cfg.task)
     load_latest_checkpoint(fresh, node_dir)
     assert weights_sha256(fresh.model) == sha
+
+
+@pytest.mark.parametrize(("candidate", "applied"), [(0.5, True), (0.25, False), (0.1, False)])
+def test_corp_applies_its_candidate_only_if_it_beats_the_base_on_validation(
+    tmp_path, monkeypatch, candidate, applied
+):
+    """The validation gate (docs/math.md §10.4). Rewards are scripted: on the probe split every
+    candidate scores 0.75 against the base's 0.5 (the best is always chosen), on the held-out
+    validation split the base scores 0.25 and every candidate `candidate`. Applied only when
+    strictly better (0.5); at 0.25 (a tie) or 0.1 the base model is kept: its weights are
+    theta_0 bit for bit, the saved direction's stage is empty and rebuilds theta_0."""
+    from ftis.algos.randopt import algorithm as alg
+
+    def scripted(self, ps):
+        at_base = weights_sha256(self.node.model) == self.base_sha
+        if ps is self.validation:
+            return (0.25 if at_base else candidate), 1, 0
+        if ps is self.probe:
+            return (0.5 if at_base else 0.75), 1, 0
+        return 0.0, 1, 0  # the support set (stage 0)
+
+    monkeypatch.setattr(alg.PopulationAlgorithm, "_mean_reward", scripted)
+    cfg = RunConfig.model_validate(_cfg())
+    train_node(cfg, rank=0, run_dir=tmp_path)
+    last = _rows(tmp_path)[3]
+    assert last["corp/probe_reward"] == 0.75 and last["corp/probe_base"] == 0.5
+    assert (last["corp/validation_base"], last["corp/validation_reward"]) == (0.25, candidate)
+    assert last["corp/applied"] == float(applied)
+    stages, meta = load_direction(tmp_path / "nodes" / "xs" / "corp-direction.json")
+    assert meta["choice"]["applied"] is applied and len(stages) == 1
+    assert bool(stages[0]) is applied
+    assert (last["population/weights_sha256"] == meta["base_sha256"]) is not applied
+    from ftis.train.node import build_node
+
+    node = build_node(cfg.nodes[0], rank=0, task_cfg=cfg.task)
+    rebuild(node.model, stages, stream=meta["stream"])
+    assert weights_sha256(node.model) == last["population/weights_sha256"]
 
 
 def test_randopt_answers_with_the_top_k_majority_vote(tmp_path):

@@ -78,6 +78,9 @@ class Perturber:
     def apply(self, triples: Sequence[Triple]) -> None:
         """model <- center + sum_j weight_j * sigma_j * eps(seed_j) (added in float32, then cast
         to each parameter's dtype)."""
+        if not triples:  # an empty direction (a stage that kept its center): exactly the center
+            self.restore()
+            return
         delta = combine_noise(self.shapes, triples, stream=self.stream)
         for (_, p), c, d in zip(self.named, self.center, delta, strict=True):
             p.copy_((c.float() + d.to(c.device)).to(p.dtype))
