@@ -270,3 +270,23 @@ def test_gossip_needs_one_architecture():
     data["nodes"].append({**data["nodes"][0], "name": "ys", "model": {"preset": "llama-s"}})
     with pytest.raises(ValueError, match=r"nodes\[ys\].model.preset differs"):
         RunConfig.model_validate(data)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"model": {"preset": "llama-xs", "init_seed": 1}}, r"nodes\[ys\].model.init_seed"),
+        ({"warm_start": {"steps": 7, "batch_size": 8, "lr": 0.003}}, r"nodes\[ys\].warm_start"),
+    ],
+)
+def test_gossip_refuses_agents_that_start_from_different_weights(change, match):
+    """Another init seed or warm start gives another start, hence another DPO reference and
+    averages of networks initialised apart: refused, naming the field and both ways out;
+    `different_starts: true` runs it anyway."""
+    data = tiny_dpo_config(kind="gossip-dpo")
+    data["nodes"].append({**data["nodes"][0], "name": "ys", **change})
+    with pytest.raises(ValueError, match=match) as err:
+        RunConfig.model_validate(data)
+    assert "different_starts: true" in str(err.value)
+    data["algorithm"]["different_starts"] = True
+    RunConfig.model_validate(data)  # accepted when asked for

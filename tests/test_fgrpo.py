@@ -142,12 +142,16 @@ def _report(name: str, value: float, perf: float, n: int = 8) -> ClientReport:
     return ClientReport(name, {"w": torch.full((2,), value)}, perf, n)
 
 
+HISTORY = {"baseline": "ema", "gain": "relative", "no_gain": "weights"}  # the rule before §9.4
+
+
 def test_aggregator_relative_gain_round_by_hand() -> None:
-    """Round 1: no baselines -> gains 0 -> equal weights: theta = 0 + 1 * (1 + 3) / 2 = 2;
+    """The history-baseline option (EMA, contract gain, step taken whatever the gains).
+    Round 1: no baselines -> gains 0 -> equal weights: theta = 0 + 1 * (1 + 3) / 2 = 2;
     baselines become P. Round 2 (eta_s 1, tau 1, EMA 0.5): a improves 0.5 -> 0.75 (gain 0.5),
     b stays at 2 (gain 0): w = softmax(0.5, 0) = (0.6225, 0.3775); theta += 0.6225 * 1 + 0.3775
     * 3; baselines 0.625 and 2."""
-    agg = Aggregator({"w": torch.zeros(2)}, FGRPOConfig(baseline_momentum=0.5))
+    agg = Aggregator({"w": torch.zeros(2)}, FGRPOConfig(baseline_momentum=0.5, **HISTORY))
     out = agg.aggregate([_report("b", 3.0, 2.0), _report("a", 1.0, 0.5)])
     assert out.weights == pytest.approx({"a": 0.5, "b": 0.5}, abs=1e-12)
     assert out.baselines == {"a": None, "b": None}
@@ -185,6 +189,52 @@ def test_aggregator_other_rules(rule, expected) -> None:
     assert torch.allclose(agg.params["w"], torch.full((2,), 0.5 * step), atol=1e-6)
 
 
+def _pre(name: str, value: float, before: float, after: float, n: int = 8) -> ClientReport:
+    return ClientReport(name, {"w": torch.full((2,), value)}, after, n, performance_before=before)
+
+
+def test_aggregator_default_bounds_a_client_starting_from_zero() -> None:
+    """The default rule (docs/math.md §9.4). a: 0 -> 1/64 (a 0/1 task, 64 held-out problems),
+    b: 0.5 -> 0.625 (+25%). Gains (1/64) / 0.1 = 0.15625 and 0.25: w = softmax = (e^0.15625,
+    e^0.25) / sum = (0.47660, 0.52340); the old rule gave a ~1 and b ~0. The baselines are the
+    reports' own pre-round scores: a history of a's past scores (none kept) changes nothing."""
+    agg = Aggregator({"w": torch.zeros(2)}, FGRPOConfig())
+    out = agg.aggregate([_pre("a", 1.0, 0.0, 1 / 64), _pre("b", 3.0, 0.5, 0.625)])
+    wa = math.exp(0.15625) / (math.exp(0.15625) + math.exp(0.25))
+    assert out.gains == pytest.approx({"a": 0.15625, "b": 0.25}, abs=1e-12)
+    assert out.weights == pytest.approx({"a": wa, "b": 1 - wa}, abs=1e-12)
+    assert out.baselines == {"a": 0.0, "b": 0.5} and out.new_baselines == {}
+    assert torch.allclose(agg.params["w"], torch.full((2,), wa + 3 * (1 - wa)), atol=1e-6)
+    assert agg.baselines == {} and not out.no_positive_gain and not out.skipped
+    # the contract's gain (1e-8 floor) collapses onto a: its weight is 1 to 12 digits
+    old = Aggregator({"w": torch.zeros(2)}, FGRPOConfig(gain="relative"))
+    out = old.aggregate([_pre("a", 1.0, 0.0, 1 / 64), _pre("b", 3.0, 0.5, 0.625)])
+    assert out.weights["a"] == pytest.approx(1.0, abs=1e-12)
+    with pytest.raises(ValueError, match="performance before local training"):
+        agg.aggregate([_report("a", 1.0, 0.5)])
+
+
+@pytest.mark.parametrize(
+    ("rule", "expected", "theta"),
+    [
+        ("fedavg", {"a": 0.25, "b": 0.75}, 0.25 * 1 + 0.75 * 3),
+        ("skip", {"a": 0.0, "b": 0.0}, 0.0),
+        # softmax(0, -0.5): e^0 / (1 + e^-0.5) = 0.62246
+        ("weights", {"a": 1 / (1 + math.exp(-0.5)), "b": 1 - 1 / (1 + math.exp(-0.5))}, None),
+    ],
+)
+def test_aggregator_when_no_gain_is_positive(rule, expected, theta) -> None:
+    """a stays at 0.5 (gain 0), b drops 0.6 -> 0.3 (gain -0.5); n = (8, 24)."""
+    agg = Aggregator({"w": torch.zeros(2)}, FGRPOConfig(no_gain=rule))
+    out = agg.aggregate([_pre("a", 1.0, 0.5, 0.5), _pre("b", 3.0, 0.6, 0.3, n=24)])
+    assert out.weights == pytest.approx(expected, abs=1e-12)
+    assert out.no_positive_gain and out.skipped == (rule == "skip")
+    if theta is None:
+        theta = expected["a"] * 1 + expected["b"] * 3
+    assert torch.allclose(agg.params["w"], torch.full((2,), theta), atol=1e-6)
+    assert out.update_norm == pytest.approx(math.sqrt(2) * theta, abs=1e-5)
+
+
 def test_aggregator_without_reports_changes_nothing() -> None:
     agg = Aggregator({"w": torch.ones(2)}, FGRPOConfig())
     out = agg.aggregate([])
@@ -198,7 +248,7 @@ def test_local_client_round_is_deterministic_and_reports_a_delta() -> None:
     """Two rounds from the same global parameters give the same delta (fresh optimizer, keyed
     randomness), the delta is theta_k - theta over the trainable parameters, the performance is
     on the scaled reward, and n = E x prompts x G."""
-    from ftis.algos.fgrpo.client import LocalClient, trainable_params
+    from ftis.algos.fgrpo.client import LocalClient, load_params, trainable_params
 
     cfg = RunConfig.model_validate(fgrpo_run_config())
     client = LocalClient(cfg, 1)  # client b: subtraction, reward scale 10
@@ -209,8 +259,18 @@ def test_local_client_round_is_deterministic_and_reports_a_delta() -> None:
     assert all(torch.equal(r1.delta[k], r2.delta[k]) for k in theta)
     assert r1.performance == r2.performance
     assert r1.num_examples == 2 * 4 * 4
-    assert r1.performance in {10.0 * k / 8 for k in range(9)}  # 8 held-out problems, 0/10 each
     after = trainable_params(client.node.model)
     assert all(torch.allclose(after[k], theta[k] + r1.delta[k], atol=1e-6) for k in theta)
+    # The performance signals are the held-out scores (x10: b's scale) of the model after and
+    # of the global model before local training (the pre-round baseline), each equal to the
+    # unscaled held-out accuracy of that model times 10.
+    from ftis.algos.fgrpo.client import HeldOutBatch, ScaledTask
+
+    plain = LocalClient(cfg, 1)
+    plain.held_out = HeldOutBatch(ScaledTask(client.task, 1.0), 8)
+    for params, value in ((theta, r1.performance_before), (after, r1.performance)):
+        load_params(plain.node.model, params)
+        assert value == 10.0 * plain._performance(1)
+    assert r1.metrics["fgrpo/performance_before"] == r1.performance_before
     m = client.evaluate(theta, 0)
-    assert 0.0 <= m["eval/accuracy"] <= 1.0 and m["eval/size"] == 16
+    assert m["eval/size"] == 16 and (16 * m["eval/accuracy"]).is_integer()

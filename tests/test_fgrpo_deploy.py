@@ -144,6 +144,14 @@ def test_deployed_apps_run_a_federation_in_process(tmp_path: Path) -> None:
     assert set(rows) == {(n, s) for n in ("a", "b", "server") for s in (0, 1)}
     assert rows[("a", 1)]["fgrpo/accepted"] == 1 and rows[("b", 1)]["fgrpo/accepted"] == 1
     assert rows[("server", 1)]["server/accepted"] == 2
+    for name in ("a", "b"):  # each client's gain is its own floored gain (docs/math.md §9.4)
+        before, after = (
+            rows[(name, 1)]["fgrpo/performance_before"],
+            rows[(name, 1)]["fgrpo/performance"],
+        )
+        assert rows[("server", 1)][f"agg/gain/{name}"] == pytest.approx(
+            (after - before) / max(abs(before), 0.1), abs=1e-12
+        )
     assert load_config(out / "config.yaml").algorithm.kind == "fgrpo"
     assert (out / "report.md").is_file() and (out / "nodes" / "a" / "latest").is_file()
     with pytest.raises(ConfigError, match="already exists"):
@@ -297,10 +305,18 @@ def test_deployed_on_loopback(tmp_path: Path) -> None:
         assert "Successfully started run" in run_out.read_text(errors="replace")
         rows = {(r["node"], r["step"]): r for r in read_metrics(out / "metrics.jsonl")}
         assert set(rows) == {(n, s) for n in ("a", "b", "server") for s in (0, 1)}
+        server = rows[("server", 1)]
         for name in ("a", "b"):
-            assert 0.0 <= rows[(name, 1)]["eval/accuracy"] <= 1.0
-            assert rows[(name, 1)]["fgrpo/accepted"] == 1
-            assert rows[(name, 1)]["exchange/bytes_sent"] > 0
+            row = rows[(name, 1)]
+            correct = row["eval/accuracy"] * row["eval/size"]  # greedy: k of eval/size right
+            assert abs(correct - round(correct)) < 1e-9 and 0 <= round(correct) <= row["eval/size"]
+            assert row["fgrpo/accepted"] == 1
+            # the server's gain is the client's own floored gain (docs/math.md §9.4)
+            before, after = row["fgrpo/performance_before"], row["fgrpo/performance"]
+            assert server[f"agg/gain/{name}"] == pytest.approx(
+                (after - before) / max(abs(before), 0.1), abs=1e-12
+            )
+            assert row["exchange/bytes_sent"] > 0
             assert (out / "nodes" / name / "latest").is_file()
         assert rows[("server", 1)]["server/accepted"] == 2
         assert (out / "nodes" / "server" / "step-000001" / "trainer_state.pt").is_file()

@@ -8,6 +8,7 @@ Skipped cleanly where flwr is not installed (the `federated` extra; `dev` pulls 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,7 @@ BEHAVIOURS = {
     "name": "wrong-name",
     "int": "int-delta",
     "perf": "nan-performance",
+    "before": "no-before",
     "imposter": "imposter",
     "err": "error",
     "silent": "silent",
@@ -91,7 +93,14 @@ def _strategy(tmp_path: Path, names: list[str]) -> FGRPOStrategy:
     return strategy
 
 
-def _reply(msg: Message, name: str, behaviour: str, value: float) -> Message | None:
+def _reply(
+    msg: Message,
+    name: str,
+    behaviour: str,
+    value: float,
+    perf: tuple[float, float] = (0.5, 0.5),
+) -> Message | None:
+    """A crafted train reply: delta `value` everywhere, performance (before, after) = perf."""
     if behaviour == "silent":
         return None
     if behaviour == "error":
@@ -100,8 +109,15 @@ def _reply(msg: Message, name: str, behaviour: str, value: float) -> Message | N
         "w": torch.full((2, 3), value).numpy(),
         "b": torch.full((3,), value).numpy(),
     }
-    metrics = {"performance": 0.5, "num-examples": 32, "reward/mean": 0.25}
-    if behaviour not in ("ok", "imposter"):
+    metrics = {
+        "performance": perf[1],
+        "performance-before": perf[0],
+        "num-examples": 32,
+        "reward/mean": 0.25,
+    }
+    if behaviour == "no-before":  # the pre-round baseline is missing
+        del metrics["performance-before"]
+    elif behaviour not in ("ok", "imposter"):
         corrupt(behaviour, arrays, metrics)
     claimed = "ok1" if behaviour == "imposter" else name
     content = RecordDict(
@@ -114,11 +130,12 @@ def _reply(msg: Message, name: str, behaviour: str, value: float) -> Message | N
     return Message(content, reply_to=msg)
 
 
-def test_strategy_rejects_bad_results_and_counts_dropouts(tmp_path: Path) -> None:
-    """Of ten clients two send good deltas (1 and 3 everywhere): the server applies exactly
-    their mean (first round: no baselines, equal weights) -> 2. NaN, wrongly shaped, wrongly
-    named and integer arrays, a NaN performance and a reply claiming another client's name are
-    rejected (6); an error reply and a missing reply are dropouts (2). Nothing else moves theta,
+def test_strategy_rejects_bad_results_and_counts_dropouts(tmp_path: Path, caplog) -> None:
+    """Of eleven clients two send good deltas (1 and 3 everywhere): the server applies exactly
+    their mean (both gains 0.5 -> 0.5 = 0: no positive gain, so data-size weights, equal) -> 2.
+    NaN, wrongly shaped, wrongly named and integer arrays, a NaN performance, a missing
+    performance before training and a reply claiming another client's name are rejected (7); an
+    error reply and a missing reply are dropouts (2). Nothing else moves theta,
     the round's rows say who was what, and the server's row counts them."""
     TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 0, 1
     names = list(BEHAVIOURS)
@@ -133,7 +150,7 @@ def test_strategy_rejects_bad_results_and_counts_dropouts(tmp_path: Path) -> Non
         if reply is not None:
             replies.append(reply)
     theta, summary = strategy.aggregate_train(1, replies)
-    assert summary == MetricRecord({"accepted": 2, "rejected": 6, "dropped": 2})
+    assert summary == MetricRecord({"accepted": 2, "rejected": 7, "dropped": 2})
     assert torch.equal(strategy.aggregator.params["w"], torch.full((2, 3), 2.0))
     assert torch.equal(strategy.aggregator.params["b"], torch.full((3,), 2.0))
     assert set(theta.keys()) == {"w", "b"}
@@ -144,10 +161,11 @@ def test_strategy_rejects_bad_results_and_counts_dropouts(tmp_path: Path) -> Non
     server = rows["server"]
     assert (server["server/accepted"], server["server/rejected"], server["server/dropped"]) == (
         2,
-        6,
+        7,
         2,
     )
-    assert server["server/rejected_total"] == 6 and server["server/dropped_total"] == 2
+    assert server["agg/no_positive_gain"] == 1.0
+    assert server["server/rejected_total"] == 7 and server["server/dropped_total"] == 2
     assert {k for k in server if k.startswith("agg/weight/")} == {
         "agg/weight/ok1",
         "agg/weight/ok2",
@@ -159,8 +177,55 @@ def test_strategy_rejects_bad_results_and_counts_dropouts(tmp_path: Path) -> Non
         assert row["fgrpo/accepted"] == (behaviour == "ok")
         assert row["fgrpo/dropped"] == (behaviour in ("error", "silent"))
         assert row["fgrpo/rejected"] == (behaviour not in ("ok", "error", "silent"))
+    assert "performance before local training is None" in caplog.text
     assert rows["ok1"]["reward/mean"] == 0.25 and rows["ok1"]["fgrpo/weight"] == 0.5
     assert strategy.saved == []  # checkpoint.every = 0 and round 1 < train.steps
+
+
+def test_the_update_uses_the_logged_weights(tmp_path: Path) -> None:
+    """Two rounds of crafted replies through the strategy (default rule: pre-round baseline,
+    floored gain with delta 0.1, tau 1, no floor). Round 1: a goes 0 -> 1/64 (gain (1/64)/0.1 =
+    0.15625, not 1.6e6), b 0.5 -> 0.625 and c 0.4 -> 0.5 (gains 0.25): weights softmax(0.15625,
+    0.25, 0.25), so a gets less than the clients that improved by 25%. Round 2: nobody improves
+    -> data-size weights (all 32: 1/3 each). In both rounds theta moves by exactly the weighted
+    sum of the deltas with the weights the server row logged."""
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 0, 1
+    strategy = _strategy(tmp_path, ["a", "b", "c"])
+    rounds = {
+        1: {"a": (1.0, (0.0, 1 / 64)), "b": (3.0, (0.5, 0.625)), "c": (-2.0, (0.4, 0.5))},
+        2: {"a": (2.0, (0.1, 0.1)), "b": (-1.0, (0.6, 0.5)), "c": (5.0, (0.5, 0.25))},
+    }
+    theta = {k: v.clone() for k, v in strategy.aggregator.params.items()}
+    for r, plan in rounds.items():
+        msgs = strategy.configure_train(r, ArrayRecord(), ConfigRecord(), grid=None)
+        replies = []
+        for msg in msgs:
+            name = strategy.name_of[msg.metadata.dst_node_id]
+            value, perf = plan[name]
+            replies.append(_reply(msg, name, "ok", value, perf))
+        strategy.aggregate_train(r, replies)
+        strategy.aggregate_evaluate(r, [])
+        server = next(
+            row
+            for row in read_metrics(tmp_path / "metrics.jsonl")
+            if row["node"] == "server" and row["step"] == r
+        )
+        w = {n: server[f"agg/weight/{n}"] for n in plan}
+        step = sum(w[n] * plan[n][0] for n in plan)
+        for key, t in theta.items():
+            theta[key] = t + step
+            assert torch.allclose(strategy.aggregator.params[key], theta[key], atol=1e-6)
+        if r == 1:
+            e = {"a": math.exp(0.15625), "b": math.exp(0.25), "c": math.exp(0.25)}
+            assert w == pytest.approx({n: e[n] / sum(e.values()) for n in e}, abs=1e-12)
+            assert w["a"] < w["b"] and server["agg/no_positive_gain"] == 0.0
+            assert server["agg/gain/a"] == pytest.approx(0.15625, abs=1e-12)
+            assert server["agg/baseline/b"] == 0.5
+        else:
+            assert w == pytest.approx({"a": 1 / 3, "b": 1 / 3, "c": 1 / 3}, abs=1e-12)
+            assert server["agg/no_positive_gain"] == 1.0
+    for lg in strategy.loggers.values():
+        lg.close()
 
 
 def test_client_sampling_is_seeded_and_partial(tmp_path: Path) -> None:
@@ -204,7 +269,8 @@ def test_in_process_run_with_faulty_clients(tmp_path: Path) -> None:
     assert len(rows) == len(by) == 4 * 3  # (a, b, c, server) x rounds 0..2, each once
     for name in ("a", "b", "c"):
         for step in (0, 1, 2):
-            assert 0.0 <= by[(name, step)]["eval/accuracy"] <= 1.0
+            row = by[(name, step)]  # greedy accuracy on eval.size = 16 problems: k / 16
+            assert row["eval/size"] == 16 and (16 * row["eval/accuracy"]).is_integer()
     assert by[("server", 0)]["eval/accuracy"] == pytest.approx(
         sum(by[(n, 0)]["eval/accuracy"] for n in "abc") / 3
     )
@@ -214,8 +280,16 @@ def test_in_process_run_with_faulty_clients(tmp_path: Path) -> None:
     assert s2["server/rejected_total"] == 1 and s2["server/dropped_total"] == 1
     assert "agg/weight/b" not in s1 and {"agg/weight/a", "agg/weight/c"} <= set(s1)
     assert "agg/weight/c" not in s2 and "agg/gain/b" in s2
-    # b's first accepted report (round 2) has no baseline yet: gain 0; a's has one.
-    assert s2["agg/gain/b"] == 0.0 and "agg/baseline/a" in s2 and "agg/baseline/b" not in s2
+    # Every accepted report carries its baseline (its score before local training) and its
+    # gain is the floored relative gain of its own row's two scores (docs/math.md §9.4).
+    for r, s in ((1, s1), (2, s2)):
+        for name in {k.removeprefix("agg/weight/") for k in s if k.startswith("agg/weight/")}:
+            row = by[(name, r)]
+            before, after = row["fgrpo/performance_before"], row["fgrpo/performance"]
+            assert s[f"agg/baseline/{name}"] == before
+            assert s[f"agg/gain/{name}"] == pytest.approx(
+                (after - before) / max(abs(before), 0.1), abs=1e-12
+            )
     assert by[("b", 1)]["fgrpo/rejected"] == 1 and by[("c", 2)]["fgrpo/dropped"] == 1
     for name in ("server", "a", "b", "c"):  # a client: its local model after each round
         assert (tmp_path / "nodes" / name / "latest").is_file()
@@ -224,7 +298,9 @@ def test_in_process_run_with_faulty_clients(tmp_path: Path) -> None:
     state = torch.load(
         tmp_path / "nodes" / "server" / "step-000002" / "trainer_state.pt", weights_only=True
     )["algorithm"]
-    assert set(state["baselines"]) == {"a", "b", "c"} and state["round"] == 2
+    # pre-round baselines are measured each round, not kept: only the report counts are state
+    assert state["baselines"] == {} and state["round"] == 2
+    assert state["counts"] == {"a": 2, "b": 1, "c": 1}
     report = write_report(tmp_path)
     assert "server" in report.read_text() and (tmp_path / "accuracy.png").is_file()
 

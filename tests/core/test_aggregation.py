@@ -18,9 +18,11 @@ from ftis.core.aggregation import (
     combine_deltas,
     delta_norm,
     fedavg_weights,
+    floored_gains,
     gain_weights,
     log_ratio_gains,
     mix_weights,
+    no_gain_weights,
     performance_weights,
     relative_gains,
     uniform_weights,
@@ -45,8 +47,8 @@ def test_relative_gains_by_hand() -> None:
     by its magnitude: (-1 - -2) / 2 = 0.5; a zero baseline by 1e-8: (0.01 - 0) / 1e-8 = 1e6."""
     g = relative_gains([0.6, 3.0, 0.7, -1.0, 0.01], [0.5, 2.0, NAN, -2.0, 0.0])
     assert g.dtype == torch.float64
-    close(g, [0.2, 0.5, 0.0, 0.5, 0.01 / GAIN_EPS], atol=1e-6)
     assert GAIN_EPS == 1e-8
+    close(g, [0.2, 0.5, 0.0, 0.5, 1e6], atol=1e-6)  # 1e6: the collapse §9.4 bounds
 
 
 def test_relative_gains_rejects_bad_input() -> None:
@@ -54,6 +56,32 @@ def test_relative_gains_rejects_bad_input() -> None:
         relative_gains([NAN], [1.0])
     with pytest.raises(ValueError, match="shape"):
         relative_gains([1.0, 2.0], [1.0])
+
+
+def test_floored_gains_by_hand() -> None:
+    """floor 0.1 (§9.4): 0 -> 1/64 gives (1/64) / 0.1 = 0.15625 (relative_gains: 1.5625e6);
+    0.5 -> 0.625 gives 0.125 / 0.5 = 0.25 (above the floor: the plain relative gain); 0.05 ->
+    0.04 gives -0.01 / 0.1 = -0.1; -2 -> -1 gives 1 / 2 = 0.5; unset -> 0."""
+    g = floored_gains([1 / 64, 0.625, 0.04, -1.0, 0.7], [0.0, 0.5, 0.05, -2.0, NAN], floor=0.1)
+    assert g.dtype == torch.float64
+    close(g, [0.15625, 0.25, -0.1, 0.5, 0.0])
+    # Scale invariance while |B| >= floor: x10 leaves 0.25 and 0.5, and floors nothing else
+    close(floored_gains([6.25, -10.0], [5.0, -20.0], floor=0.1), [0.25, 0.5])
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="floor"):
+            floored_gains([1.0], [1.0], floor=bad)
+
+
+def test_no_gain_weights_by_hand() -> None:
+    """Some gain > 0: w unchanged. None > 0 (g = (0, -0.5)): fedavg -> n / sum n = (1/4, 3/4),
+    skip -> (0, 0), weights -> w unchanged."""
+    w = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    close(no_gain_weights([0.1, -0.5], w, [8, 24]), [0.3, 0.7])
+    close(no_gain_weights([0.0, -0.5], w, [8, 24]), [0.25, 0.75])
+    close(no_gain_weights([0.0, -0.5], w, [8, 24], rule="skip"), [0.0, 0.0])
+    close(no_gain_weights([0.0, -0.5], w, [8, 24], rule="weights"), [0.3, 0.7])
+    with pytest.raises(ValueError, match="no-gain rule"):
+        no_gain_weights([0.0], [1.0], [1], rule="nope")  # type: ignore[arg-type]
 
 
 def test_log_ratio_gains_by_hand() -> None:

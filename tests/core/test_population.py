@@ -31,12 +31,32 @@ SHAPES = [(3, 4), (5,), (3, 4)]
 
 
 def test_independent_noise_is_one_stream_drawn_tensor_after_tensor():
+    """float64 standard normals from one generator, tensor after tensor, rounded to float32."""
     got = list(seeded_noise(7, SHAPES))
     g = torch.Generator().manual_seed(7)
-    want = [torch.randn(s, generator=g) for s in SHAPES]
+    want = [torch.randn(s, generator=g, dtype=torch.float64).float() for s in SHAPES]
     for a, b in zip(got, want, strict=True):
         assert a.dtype == torch.float32 and torch.equal(a, b)
     assert not torch.equal(got[0], got[2])  # same shape, different stretch of the stream
+
+
+# sha256 of the noise bytes of seeded_noise(7, NOISE_SHAPES) for each stream, recorded with
+# torch 2.13's default and AVX2 kernels (ATEN_CPU_CAPABILITY) on an AMD EPYC (AVX-512): every CPU
+# must draw these bits (docs/math.md §10.1); a torch whose float64 normal sampler changes would
+# fail here, and every saved direction would then rebuild other weights.
+NOISE_SHAPES = [(4096,), (3, 4), (5,), (3, 4)]
+NOISE_SHA256 = {
+    "independent": "321e3bf968fa0b521c7c713a43c5e412917582c8e5ceaab9c9e6cd90eebd5844",
+    "shared": "63baabb99abf1b3aef49ab4a3fd635da20c8d133b97924649c912a91bfab5c7f",
+}
+
+
+@pytest.mark.parametrize("stream", ["independent", "shared"])
+def test_noise_is_the_recorded_bits(stream):
+    import hashlib
+
+    data = b"".join(e.numpy().tobytes() for e in seeded_noise(7, NOISE_SHAPES, stream=stream))
+    assert hashlib.sha256(data).hexdigest() == NOISE_SHA256[stream]
 
 
 def test_shared_noise_reseeds_for_every_tensor_like_the_authors():

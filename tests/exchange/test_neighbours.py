@@ -35,49 +35,40 @@ def test_the_message_codec_rejects_what_does_not_fit():
 
 
 def _agent(out_dir: str) -> None:
-    """One agent of a triangle (run in a subprocess): each round it adds (rank + 1) * round to
-    its parameters (its "local steps"), then mixes with its live neighbours. Agent 2 sends NaN
-    in round 2 and dies at the start of round 3."""
-    from ftis.algos.dpo.gossip import HEADER, decode, encode
-    from ftis.core.mixing import mix, pairwise_weight
+    """One agent of a triangle (run in a subprocess), through the algorithm's own
+    `Gossip.round` over a real `NeighbourChannel`: each round it adds (rank + 1) * round to its
+    parameters (its "local steps"), then gossips. Agent 2 sends NaN in round 2 and dies at the
+    start of round 3."""
+    from types import SimpleNamespace
+
+    from ftis.algos.dpo.gossip import HEADER, Gossip
     from ftis.exchange.neighbours import NeighbourChannel
 
     rank = int(os.environ["RANK"])
     ch = NeighbourChannel.join(first_step=1, size=HEADER + 2, timeout_s=30.0)
-    theta = torch.tensor([float(rank), 10.0 * rank])
+    algorithm = SimpleNamespace(
+        topology="complete",
+        degree=None,
+        graph_seed=0,
+        edge_indices=lambda cfg: None,
+        consensus="off",  # logging traffic over the store: not what this test is about
+        sketch_size=16,
+    )
+    ctx = SimpleNamespace(
+        rank=rank, cfg=SimpleNamespace(nodes=[0, 1, 2], algorithm=algorithm), transport=None
+    )
+    param = torch.nn.Parameter(torch.tensor([float(rank), 10.0 * rank]))
+    gossip = Gossip(ctx, [param], ch)
     log = []
     for rnd in range(1, 5):
         if rank == 2 and rnd == 3:
             os._exit(17)
-        theta = theta + (rank + 1) * rnd
-        nbrs = [j for j in range(3) if j != rank]
-        ch.check_left(nbrs, rnd)
-        peers = [j for j in nbrs if ch.takes_part(j, rnd)]
-        sent = theta.clone()
-        if rank == 2 and rnd == 2:
-            sent[1] = float("nan")
-        got = ch.exchange(rnd, encode(rnd, len(peers), sent), peers)
-        others, weights, rejected = [], [], 0
-        for j in peers:
-            if j not in got:
-                continue
-            dec = decode(got[j], round_=rnd, size=2, world_size=3)
-            if isinstance(dec, str):
-                rejected += 1
-                continue
-            others.append(dec[1])
-            weights.append(pairwise_weight(len(peers), dec[0]))
-        theta = mix(theta, others, weights)
-        log.append(
-            {
-                "round": rnd,
-                "theta": theta.tolist(),
-                "peers": peers,
-                "weights": weights,
-                "rejected": rejected,
-                "lost": sorted(ch.lost),
-            }
-        )
+        with torch.no_grad():
+            param.add_((rank + 1) * rnd)
+            if rank == 2 and rnd == 2:
+                param[1] = float("nan")
+        out = gossip.round(rnd)
+        log.append({"round": rnd, "theta": param.detach().tolist(), **out})
     ch.close()
     Path(out_dir, f"{rank}.json").write_text(json.dumps(log))
 
@@ -119,26 +110,33 @@ def test_gossip_between_processes_rejects_nan_and_survives_a_lost_agent(tmp_path
     # round 1: 0, 1, 2 start at (0, 0), (1, 10), (2, 20) and add 1, 2, 3: (1, 1), (3, 12),
     # (5, 23). Complete graph of 3, every degree 2: all weights 1/3 -> the mean (3, 12).
     for r in (0, 1):
-        assert logs[r][0]["weights"] == pytest.approx([1 / 3, 1 / 3])
-        assert logs[r][0]["theta"] == pytest.approx([3.0, 12.0])
+        one = logs[r][0]
+        assert (one["gossip/neighbours"], one["gossip/mixed"]) == (2, 2)
+        assert one["gossip/self_weight"] == pytest.approx(1 / 3, abs=1e-12)
+        assert one["theta"] == pytest.approx([3.0, 12.0], abs=1e-5)
     # round 2: add 2, 4 (and 6 for agent 2): 0 at (5, 14), 1 at (7, 16). Agent 2's message has
     # a NaN: rejected, its 1/3 stays with the receiver: 0 -> 2/3 (5, 14) + 1/3 (7, 16)
-    assert logs[0][1]["rejected"] == 1 and logs[0][1]["weights"] == pytest.approx([1 / 3])
-    assert logs[0][1]["theta"] == pytest.approx([17 / 3, 44 / 3])
-    assert logs[1][1]["theta"] == pytest.approx([19 / 3, 46 / 3])
+    for r in (0, 1):
+        assert logs[r][1]["gossip/rejected"] == 1 and logs[r][1]["gossip/mixed"] == 1
+        assert logs[r][1]["gossip/self_weight"] == pytest.approx(2 / 3, abs=1e-12)
+    assert logs[0][1]["theta"] == pytest.approx([17 / 3, 44 / 3], abs=1e-5)
+    assert logs[1][1]["theta"] == pytest.approx([19 / 3, 46 / 3], abs=1e-5)
     # round 3: agent 2 died at its start. 0 and 1 add 3 and 6: a = (17/3 + 3, 44/3 + 3),
     # b = (19/3 + 6, 46/3 + 6). Whether they learned it before the exchange (degree 1 each:
     # W = 1/2) or during it (they had announced degree 2: W = 1/3, agent 2's share stays with
     # each), both used the same weight w, so 0 -> (1 - w) a + w b and 1 -> (1 - w) b + w a.
     a = torch.tensor([17 / 3 + 3, 44 / 3 + 3])
     b = torch.tensor([19 / 3 + 6, 46 / 3 + 6])
-    w = logs[0][2]["weights"]
-    assert w == logs[1][2]["weights"] and w in ([pytest.approx(1 / 3)], [pytest.approx(0.5)])
-    assert logs[0][2]["theta"] == pytest.approx(((1 - w[0]) * a + w[0] * b).tolist())
-    assert logs[1][2]["theta"] == pytest.approx(((1 - w[0]) * b + w[0] * a).tolist())
+    w = 1 - logs[0][2]["gossip/self_weight"]
+    assert w == 1 - logs[1][2]["gossip/self_weight"]
+    assert w in (pytest.approx(1 / 3, abs=1e-12), pytest.approx(0.5, abs=1e-12))
+    assert logs[0][2]["theta"] == pytest.approx(((1 - w) * a + w * b).tolist(), abs=1e-5)
+    assert logs[1][2]["theta"] == pytest.approx(((1 - w) * b + w * a).tolist(), abs=1e-5)
     # round 4: agent 2 is lost for both; one neighbour each, W = 1/2 over the remaining graph
     for r in (0, 1):
-        assert logs[r][2]["lost"] == [2] and logs[r][3]["peers"] == [1 - r]
-        assert logs[r][3]["weights"] == pytest.approx([0.5])
-    assert logs[0][3]["theta"] == pytest.approx(logs[1][3]["theta"])  # the mean of the two
+        assert logs[r][2]["gossip/lost_total"] == 1 and logs[r][3]["gossip/neighbours"] == 1
+        assert logs[r][3]["gossip/self_weight"] == pytest.approx(0.5, abs=1e-12)
+        # the live graph is the edge 0-1: W = [[1/2, 1/2], [1/2, 1/2]], rho 0
+        assert logs[r][3]["gossip/rho"] == pytest.approx(0.0, abs=1e-12)
+    assert logs[0][3]["theta"] == logs[1][3]["theta"]  # the mean of the two, the same bits
     del store, server

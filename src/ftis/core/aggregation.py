@@ -5,14 +5,17 @@ only), a performance value and a sample count. The server turns them into one we
 and applies the weighted sum of the deltas:
 
     relative-gain (FGRPO, §9.1)   g_k = (P_k - B_k) / max(|B_k|, 1e-8)      `relative_gains`
+    floored gain (default, §9.4)  g_k = (P_k - B_k) / max(|B_k|, delta)     `floored_gains`
                                   w   = (1 - floor) softmax(g / tau) + floor / K   `gain_weights`
     fedavg                        w_k = n_k / sum n                          `fedavg_weights`
     uniform                       w_k = 1 / K                                `uniform_weights`
     reward-weighted               w_k = P_k / sum P                          `performance_weights`
     server step                   theta <- theta + eta_s * sum_k w_k Delta_k `combine_deltas`
 
-B_k is client k's own historical baseline (`update_baselines`: EMA, running mean or best so far).
-A NaN baseline means "unset" (the client has not reported yet): its gain is 0.
+B_k is client k's baseline: by default its score of the global model it was sent, measured
+before its local training in the same round (§9.4), or its own history (`update_baselines`:
+EMA, running mean or best so far). A NaN baseline means "unset" (the client has not reported
+yet): its gain is 0. `no_gain_weights` is the rule for a round in which no gain is positive.
 
 Why relative gains: multiplying client k's rewards by c > 0 multiplies P_k and (being a history
 of P_k) B_k by c, so g_k and hence every weight is unchanged; weights proportional to P_k are
@@ -64,6 +67,31 @@ def relative_gains(perf: Tensor | Sequence[float], baseline: Tensor | Sequence[f
     unset = torch.isnan(b)
     b0 = torch.where(unset, torch.zeros_like(b), b)
     g = (p - b0) / b0.abs().clamp_min(GAIN_EPS)
+    return torch.where(unset, torch.zeros_like(g), g)
+
+
+def floored_gains(
+    perf: Tensor | Sequence[float], baseline: Tensor | Sequence[float], *, floor: float
+) -> Tensor:
+    """(K,) relative gains with a floored denominator: g_k = (perf_k - baseline_k) /
+    max(|baseline_k|, floor) (docs/math.md §9.4).
+
+    `relative_gains` divides by max(|B_k|, 1e-8), so a client moving from 0 to 1/64 gets a gain
+    of ~1e6 and softmax hands it the round. Here a baseline below `floor` (in the units of the
+    performance signal) divides by `floor` instead: the gain is bounded by |P_k - B_k| / floor,
+    and is the plain relative gain (scale-invariant) whenever |B_k| >= floor. A NaN baseline
+    (unset) gives 0. Returns float64.
+    """
+    if not floor > 0 or not math.isfinite(floor):
+        raise ValueError(f"floor must be a positive number, got {floor}")
+    p, b = _vector(perf, "perf"), _vector(baseline, "baseline")
+    if p.shape != b.shape:
+        raise ValueError(f"perf {tuple(p.shape)} and baseline {tuple(b.shape)} differ in shape")
+    if not bool(torch.isfinite(p).all()):
+        raise ValueError(f"perf must be finite, got {p.tolist()}")
+    unset = torch.isnan(b)
+    b0 = torch.where(unset, torch.zeros_like(b), b)
+    g = (p - b0) / b0.abs().clamp_min(floor)
     return torch.where(unset, torch.zeros_like(g), g)
 
 
@@ -128,6 +156,39 @@ def clipped_positive_weights(g: Tensor | Sequence[float], floor: float = 0.0) ->
     total = pos.sum()
     w = pos / total if total > 0 else torch.full_like(gv, 1.0 / gv.numel())
     return (1.0 - floor) * w + floor / gv.numel()
+
+
+NoGainRule = Literal["fedavg", "skip", "weights"]
+NO_GAIN_RULES: tuple[str, ...] = ("fedavg", "skip", "weights")
+
+
+def no_gain_weights(
+    g: Tensor | Sequence[float],
+    w: Tensor | Sequence[float],
+    num_examples: Tensor | Sequence[float],
+    *,
+    rule: NoGainRule = "fedavg",
+) -> Tensor:
+    """(K,) the weights of a round, given its gains g and gain weights w (docs/math.md §9.4).
+
+    While some gain is > 0, w is returned unchanged. When none is (no client's update raised
+    its own score), `rule` decides: fedavg = data-size weights n_k / sum n (the step is taken,
+    but nobody is favoured on a signal that says nothing); skip = all zeros (theta is left
+    unchanged this round); weights = w unchanged (the step at full size, the rule before §9.4).
+    Returns float64.
+    """
+    gv, wv = _vector(g, "g"), _vector(w, "w")
+    if gv.shape != wv.shape:
+        raise ValueError(f"gains {tuple(gv.shape)} and weights {tuple(wv.shape)} differ")
+    if rule not in NO_GAIN_RULES:
+        raise ValueError(
+            f"unknown no-gain rule {rule!r}; choose one of: {', '.join(NO_GAIN_RULES)}"
+        )
+    if gv.numel() == 0 or bool((gv > 0).any()) or rule == "weights":
+        return wv
+    if rule == "skip":
+        return torch.zeros_like(wv)
+    return fedavg_weights(num_examples)
 
 
 def fedavg_weights(num_examples: Tensor | Sequence[float]) -> Tensor:

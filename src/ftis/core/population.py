@@ -30,15 +30,19 @@ Triple = tuple[int, float, float]  # (seed, sigma, weight): one term weight * si
 def seeded_noise(
     seed: int, shapes: Sequence[torch.Size | tuple[int, ...]], *, stream: str = "independent"
 ) -> Iterator[torch.Tensor]:
-    """eps(seed): one standard-normal float32 CPU tensor per shape, in the order given.
+    """eps(seed): one standard-normal float32 CPU tensor per shape, in the order given (drawn
+    in float64, rounded to float32).
 
     stream "independent" (default): one CPU generator, seeded once with `seed`, draws the
     tensors one after another, so every tensor gets its own stretch of the stream.
     stream "shared": the generator is reseeded with `seed` before every tensor, as in the RandOpt
     authors' code; tensors of the same shape then receive identical noise.
 
-    The noise depends only on (seed, shapes, stream): a CPU generator and a fixed dtype make it
-    the same bits in every process (the caller fixes the order of the shapes).
+    The noise depends only on (seed, shapes, stream) and is the same bits on every CPU: each
+    tensor is drawn in float64 and rounded to float32. torch's float32 `randn` picks its kernel
+    by the CPU's instruction set (the default and AVX2 kernels give different numbers from the
+    same generator state, 1569 of 4096 here); its float64 draw does not (docs/math.md §10.1;
+    tests/test_randopt.py runs both kernels). The caller fixes the order of the shapes.
     """
     if stream not in NOISE_STREAMS:
         raise ValueError(f"unknown noise stream {stream!r}; choose one of {NOISE_STREAMS}")
@@ -49,7 +53,7 @@ def seeded_noise(
     for shape in shapes:
         if stream == "shared":
             g.manual_seed(seed)
-        yield torch.randn(tuple(shape), generator=g, dtype=torch.float32)
+        yield torch.randn(tuple(shape), generator=g, dtype=torch.float64).to(torch.float32)
 
 
 def combine_noise(

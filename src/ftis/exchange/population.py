@@ -51,8 +51,9 @@ class PopulationPayload:
 
     kind: KIND_REWARDS or KIND_PROBE. round: the step it belongs to. offset: index of the member
     the first value belongs to (0 for probe payloads). problems: how many problems each value
-    averages over (> 0). base: digest of the weights the perturbations were applied to; parties
-    with other base weights measure other models and are rejected. values: the mean rewards.
+    averages over (> 0). base: digest of the weights the perturbations were applied to and of
+    the weights rebuilt from a check direction; parties with other base weights, or whose noise
+    differs, measure other models and are rejected. values: the mean rewards.
     directions: CoRP candidate directions, each a tuple of (seed, sigma, weight).
     """
 
@@ -171,8 +172,9 @@ class PopulationCodec:
             )
         if got_base != base:
             raise PayloadError(
-                "the sender perturbs other base weights (digest "
-                f"{got_base.hex()} != {base.hex()}): its rewards measure another model"
+                "the sender perturbs other base weights or rebuilds other weights from the "
+                f"same seeds (digest {got_base.hex()} != {base.hex()}): its rewards measure "
+                "another model"
             )
         if not 0 < problems < MAX_PROBLEMS:
             raise PayloadError(f"problems = {problems}: a value must average over >= 1 problem")

@@ -19,9 +19,29 @@ def score(task: Task, tokenizer, batch: RolloutBatch) -> torch.Tensor:
     return torch.tensor(rewards, dtype=torch.float32)
 
 
-def advantages_for(batch: RolloutBatch, rewards: torch.Tensor, scale: str) -> torch.Tensor:
-    """Group-relative advantages; a group is every sequence of one prompt (docs/math.md §2)."""
-    return flat_group_advantages(rewards, batch.prompt_index, scale=scale)
+GroupBy = str  # "prompt" or "generator"
+
+
+def group_ids(batch: RolloutBatch, by: GroupBy = "prompt") -> torch.Tensor:
+    """(N,) the group of each sequence: its prompt ("prompt": every model's completions of a
+    prompt share one baseline), or its (prompt, generator) pair ("generator": each model's
+    completions of a prompt are their own group)."""
+    if by == "prompt":
+        return batch.prompt_index
+    if by != "generator":
+        raise ValueError(f"unknown grouping {by!r}; choose prompt or generator")
+    if batch.num_sequences == 0:
+        return batch.prompt_index
+    pairs = torch.stack([batch.prompt_index, batch.generator], dim=1)
+    return torch.unique(pairs, dim=0, return_inverse=True)[1]
+
+
+def advantages_for(
+    batch: RolloutBatch, rewards: torch.Tensor, scale: str, *, by: GroupBy = "prompt"
+) -> torch.Tensor:
+    """Group-relative advantages; a group is every sequence of one prompt, or of one prompt
+    and one generator (`group_ids`; docs/math.md §2)."""
+    return flat_group_advantages(rewards, group_ids(batch, by), scale=scale)
 
 
 def finite_rewards(rewards: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -32,7 +52,9 @@ def finite_rewards(rewards: torch.Tensor) -> tuple[torch.Tensor, int]:
     return (torch.where(bad, torch.zeros_like(rewards), rewards) if n_bad else rewards), n_bad
 
 
-def lonely_groups(batch: RolloutBatch, *, min_size: int = 2) -> torch.Tensor:
+def lonely_groups(
+    batch: RolloutBatch, *, min_size: int = 2, by: GroupBy = "prompt"
+) -> torch.Tensor:
     """(N,) bool: True for sequences whose group (prompt) has fewer than `min_size` sequences.
 
     A group of one has no baseline (its std is undefined). It happens under horizontal sharing
@@ -41,5 +63,5 @@ def lonely_groups(batch: RolloutBatch, *, min_size: int = 2) -> torch.Tensor:
     """
     if batch.num_sequences == 0:
         return torch.zeros(0, dtype=torch.bool)
-    _, inverse, counts = torch.unique(batch.prompt_index, return_inverse=True, return_counts=True)
+    _, inverse, counts = torch.unique(group_ids(batch, by), return_inverse=True, return_counts=True)
     return counts[inverse] < min_size

@@ -224,6 +224,15 @@ def _check_jsonl(cfg: DPOConfig, names: list[str]) -> None:
         read_pairs(f, format=d.format)  # PreferenceDataError (a ValueError) names line and field
 
 
+def _start_of(node: Any) -> dict[str, Any]:
+    """What decides a node's starting weights (and so its DPO reference): its model's
+    initialisation and its warm start."""
+    return {
+        "model.init_seed": node.model.init_seed,
+        "warm_start": None if node.warm_start is None else node.warm_start.model_dump(),
+    }
+
+
 class GossipDPOConfig(DPOConfig):
     """Decentralized DPO (DecDPO, methods-wave2.md §2): each round every agent runs
     `local_steps` DPO steps, then averages its parameters with its neighbours on the graph
@@ -258,6 +267,12 @@ class GossipDPOConfig(DPOConfig):
     sketch_size: int = Field(
         2048, ge=16, description="Numbers per count sketch (relative error about sqrt(2/k))."
     )
+    different_starts: bool = Field(
+        False,
+        description="Allow agents that start from different weights (another model.init_seed "
+        "or warm_start): each then keeps its own start as its DPO reference and gossip "
+        "averages networks that were initialised apart. Off: such a config is refused.",
+    )
 
     def check_run(self, run: Any) -> None:
         super().check_run(run)
@@ -278,8 +293,21 @@ class GossipDPOConfig(DPOConfig):
                     raise ValueError(
                         f"gossip-dpo averages parameters, so every node needs the same "
                         f"architecture: nodes[{n.name}].model.{field} differs from "
-                        f"{run.nodes[0].name}'s (init_seed and warm_start may differ)"
+                        f"{run.nodes[0].name}'s"
                     )
+        if not self.different_starts:
+            start = _start_of(run.nodes[0])
+            for n in run.nodes[1:]:
+                for field, value in _start_of(n).items():
+                    if value != start[field]:
+                        raise ValueError(
+                            f"gossip-dpo: nodes[{n.name}].{field} differs from "
+                            f"{run.nodes[0].name}'s, so the agents start from different "
+                            "weights: each would use its own start as its DPO reference and "
+                            "gossip would average networks initialised apart. Give every node "
+                            "the same model.init_seed and warm_start, or set "
+                            "algorithm.different_starts: true to run it anyway"
+                        )
 
     def edge_indices(self, run: Any) -> list[tuple[int, int]] | None:
         """`edges` with node names turned into indices (ValueError on an unknown name)."""
@@ -324,12 +352,15 @@ class FedDPOConfig(DPOConfig):
         description="q_max: the oldest global model a client may start from, in rounds behind "
         "the current one; the server keeps the last q_max + 1 global models. 0 = plain FedAvg.",
     )
-    staleness: Literal["last-participation", "random"] = Field(
-        "last-participation",
-        description="How a client's delay d is decided (max_staleness > 0): last-participation "
-        "= it starts from the global model of the start of its last round taken part in (the "
-        "initial model if none), refreshed to the current model when that is more than "
-        "max_staleness rounds old; random = a seeded d in [0, max_staleness] per participation.",
+    staleness: Literal["age", "last-participation", "random"] = Field(
+        "age",
+        description="How a client's delay d is decided (max_staleness > 0): age = it starts "
+        "from the global model made by the last round it took part in (the initial model if "
+        "none), at most max_staleness rounds old: d = min(rounds sat out, max_staleness), 0 "
+        "under full participation; last-participation (the authors' code) = from the model "
+        "it was sent in its last round, d = 1 + rounds sat out, refreshed to the current "
+        "model when more than max_staleness; random = a seeded d in [0, max_staleness] per "
+        "participation.",
     )
     weighting: Literal["uniform", "data-size"] = Field(
         "uniform",

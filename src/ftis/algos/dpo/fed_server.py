@@ -18,12 +18,21 @@ Round r (theta^(r-1) current) :
 
 The staleness rule (`staleness`):
 
-    last-participation  a client last saw the global model current when it last took part
-                        (sampled; the initial model theta^0 if never): v_k. Its delay is
-                        d_k = (r-1) - v_k, and when that exceeds q_max it is refreshed to the
-                        current model (d_k = 0). Then v_k <- r-1. With full participation
-                        every delay is 1 from round 2 on when q_max >= 1 (the authors' code);
-                        with S < N a client's delay is the rounds it sat out, up to q_max.
+    age (default)       a client holds the global model made by the last round it took part
+                        in (theta^0 if none): v_k. Its delay is its true age, capped:
+                        d_k = min((r-1) - v_k, q_max) = min(rounds it sat out, q_max). Then
+                        v_k <- r. With full participation every delay is 0 and theta advances
+                        every round; with S < N a client that sat out s rounds starts s rounds
+                        behind (at most q_max), so the delay only grows with s and q_max
+                        decides how stale a start can be.
+    last-participation  (the authors' code) a client last saw the global model current at the
+                        start of its last round (sampled; theta^0 if never): v_k. Its delay is
+                        d_k = (r-1) - v_k = 1 + the rounds it sat out, and when that exceeds
+                        q_max it is refreshed to the current model (d_k = 0, so the delay is
+                        not monotone in the rounds sat out). Then v_k <- r-1. With full
+                        participation every delay is 1 from round 2 on when q_max >= 1: theta
+                        splits into two interleaved chains (odd and even rounds) and q_max >= 1
+                        does not matter.
     random              d_k drawn uniformly from [0, min(q_max, r-1)] by a generator keyed by
                         (seed, round, client): the same draw in a resumed run.
 
@@ -83,11 +92,15 @@ class FedDPOServer:
         params: Mapping[str, torch.Tensor],
         *,
         max_staleness: int = 0,
-        staleness: Literal["last-participation", "random"] = "last-participation",
+        staleness: Literal["age", "last-participation", "random"] = "age",
         weighting: Literal["uniform", "data-size"] = "uniform",
         server_update: Literal["average", "delta"] = "average",
         seed: int = 0,
     ) -> None:
+        if staleness not in ("age", "last-participation", "random"):
+            raise ValueError(
+                f"unknown staleness rule {staleness!r}; choose age, last-participation or random"
+            )
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self.max_staleness = max_staleness
@@ -114,7 +127,9 @@ class FedDPOServer:
             rng = random.Random(f"fed-dpo-staleness:{self.seed}:{round_}:{name}")
             return rng.randint(0, min(q, current))
         d = current - self.last_seen.get(name, 0)
-        return d if d <= q else 0
+        if self.rule == "age":
+            return min(d, q)
+        return d if d <= q else 0  # last-participation: refreshed past q_max
 
     def assign(self, round_: int, names: list[str]) -> dict[str, Assignment]:
         """The sampled clients' starting models for round `round_` (whose current model is
@@ -128,7 +143,9 @@ class FedDPOServer:
         for name in names:
             d = self.delay(name, round_)
             out[name] = Assignment(self.version - d, d)
-            self.last_seen[name] = self.version
+            # age: the client will hold the model this round makes; last-participation: the
+            # model it was sent
+            self.last_seen[name] = self.version + 1 if self.rule == "age" else self.version
         return out
 
     def model(self, version: int) -> dict[str, torch.Tensor]:

@@ -11,7 +11,8 @@ import torch
 ARRAYS, METRICS, CONFIG = "arrays", "metrics", "config"
 ROUND_KEY = "round"
 CLIENT_KEY = "client"
-PERF_KEY = "performance"  # FGRPO's performance signal
+PERF_KEY = "performance"  # FGRPO's performance signal (after local training)
+PERF_BEFORE_KEY = "performance-before"  # ...and before it (the pre-round baseline)
 COUNT_KEY = "num-examples"
 
 

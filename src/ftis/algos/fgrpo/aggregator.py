@@ -5,7 +5,8 @@ name; absent = unset) and report count, and the running counts of rejected and d
 replies. `aggregate(reports)` turns one round's accepted reports into weights with the
 configured rule (the math lives in `ftis.core.aggregation`), applies
 theta <- theta + eta_s * sum_k w_k delta_k and updates the baselines of the clients that
-reported. Reports are taken in client-name order, whatever order they arrived in, so a round's
+reported. With the default baseline `pre-round` the baseline is not state: each report carries
+it (the client's score of the global model before its local training, docs/math.md §9.4). Reports are taken in client-name order, whatever order they arrived in, so a round's
 floating-point sums (and a resumed run) are reproducible.
 """
 
@@ -25,9 +26,11 @@ from ftis.core.aggregation import (
     combine_deltas,
     delta_norm,
     fedavg_weights,
+    floored_gains,
     gain_weights,
     log_ratio_gains,
     mix_weights,
+    no_gain_weights,
     performance_weights,
     relative_gains,
     uniform_weights,
@@ -35,8 +38,9 @@ from ftis.core.aggregation import (
 )
 
 GAINS: dict[str, Callable[..., torch.Tensor]] = {
-    "relative": relative_gains,
-    "log-ratio": log_ratio_gains,
+    "floored": lambda perf, base, cfg: floored_gains(perf, base, floor=cfg.gain_floor),
+    "relative": lambda perf, base, cfg: relative_gains(perf, base),
+    "log-ratio": lambda perf, base, cfg: log_ratio_gains(perf, base),
 }
 
 
@@ -48,18 +52,22 @@ class ClientReport:
     delta: dict[str, torch.Tensor]
     performance: float
     num_examples: int
+    performance_before: float | None = None  # the pre-round baseline (None: not measured)
 
 
 @dataclass
 class RoundOutcome:
     """What one aggregation did, per client name: weight, gain, the baseline the gain was
-    measured against (None = unset) and the baseline after the round."""
+    measured against (None = unset) and the baseline after the round (history baselines
+    only); whether no gain was positive and whether the step was skipped (`no_gain: skip`)."""
 
     weights: dict[str, float] = field(default_factory=dict)
     gains: dict[str, float] = field(default_factory=dict)
     baselines: dict[str, float | None] = field(default_factory=dict)
     new_baselines: dict[str, float] = field(default_factory=dict)
     update_norm: float = 0.0
+    no_positive_gain: bool = False
+    skipped: bool = False
 
 
 def client_weights(
@@ -80,7 +88,7 @@ def client_weights(
         w = clipped_positive_weights(g, floor=cfg.floor)
     if cfg.size_mix > 0:
         w = mix_weights(w, fedavg_weights(num_examples), cfg.size_mix)
-    return w
+    return no_gain_weights(gains, w, num_examples, rule=cfg.no_gain)
 
 
 class Aggregator:
@@ -106,28 +114,52 @@ class Aggregator:
             raise ValueError(f"two reports from one client in a round: {names}")
         perf = torch.tensor([r.performance for r in reports], dtype=torch.float64)
         nan = float("nan")
-        base = torch.tensor([self.baselines.get(n, nan) for n in names], dtype=torch.float64)
+        pre_round = self.cfg.pre_round
+        if pre_round:
+            missing = [r.name for r in reports if r.performance_before is None]
+            if missing:
+                raise ValueError(
+                    f"baseline 'pre-round' needs each report's performance before local "
+                    f"training; {missing} sent none"
+                )
+            base = torch.tensor([r.performance_before for r in reports], dtype=torch.float64)
+        elif self.cfg.baseline == "pre-round":  # another rule: no baselines, gains 0
+            base = torch.full((len(names),), nan, dtype=torch.float64)
+        else:
+            base = torch.tensor([self.baselines.get(n, nan) for n in names], dtype=torch.float64)
         n_ex = torch.tensor([float(r.num_examples) for r in reports], dtype=torch.float64)
-        gains = GAINS[self.cfg.gain](perf, base)
+        gains = GAINS[self.cfg.gain](perf, base, self.cfg)
         w = client_weights(self.cfg, perf=perf, gains=gains, num_examples=n_ex)
+        skipped = not bool(w.abs().sum() > 0)
         step = combine_deltas([r.delta for r in reports], w)
-        self.params = apply_delta(self.params, step, self.cfg.server_lr)
-        counts = torch.tensor([float(self.counts.get(n, 0)) for n in names], dtype=torch.float64)
-        new_base = update_baselines(
-            base,
-            perf,
-            rule=self.cfg.baseline,
-            momentum=self.cfg.baseline_momentum,
-            count=counts,
+        if not skipped:
+            self.params = apply_delta(self.params, step, self.cfg.server_lr)
+        out = RoundOutcome(
+            update_norm=0.0 if skipped else self.cfg.server_lr * delta_norm(step),
+            no_positive_gain=self.cfg.aggregation == "relative-gain"
+            and not bool((gains > 0).any()),
+            skipped=skipped,
         )
-        out = RoundOutcome(update_norm=self.cfg.server_lr * delta_norm(step))
+        history = self.cfg.baseline != "pre-round"
+        if history:
+            counts = torch.tensor(
+                [float(self.counts.get(n, 0)) for n in names], dtype=torch.float64
+            )
+            new_base = update_baselines(
+                base,
+                perf,
+                rule=self.cfg.baseline,  # type: ignore[arg-type]
+                momentum=self.cfg.baseline_momentum,
+                count=counts,
+            )
         for i, n in enumerate(names):
             b = float(base[i])
             out.weights[n] = float(w[i])
             out.gains[n] = float(gains[i])
             out.baselines[n] = None if math.isnan(b) else b
-            out.new_baselines[n] = float(new_base[i])
-            self.baselines[n] = float(new_base[i])
+            if history:
+                out.new_baselines[n] = float(new_base[i])
+                self.baselines[n] = float(new_base[i])
             self.counts[n] = self.counts.get(n, 0) + 1
         return out
 

@@ -8,9 +8,11 @@ ClientApp (`ftis.algos.fgrpo.apps`) calls this, and tests call it directly.
         score       the client's verifier, times its reward scale
         advantages  per group
         update      the node's loss (any method), train.update_epochs x train.mini_batches steps
+    before      (baseline pre-round) the same signal for the global model, before training:
+                its held-out score, or the first local step's mean training reward
     performance mean scaled reward of greedy answers on the held-out local batch (or the last
                 step's mean training reward)
-    reply       delta = theta_k - theta, P_k, n_k (sequences trained on), metrics
+    reply       delta = theta_k - theta, P_k, P_k before, n_k (sequences trained on), metrics
 
 Every random draw is keyed by (client seed, local step number), and the optimizer starts fresh
 every round (FedAvg with local Adam), so a round depends only on the global parameters it is
@@ -31,6 +33,7 @@ import torch
 
 from ftis.algos.federated.params import (  # noqa: F401  (trainable_params: re-exported)
     COUNT_KEY,
+    PERF_BEFORE_KEY,
     PERF_KEY,
     load_params,
     trainable_params,
@@ -104,13 +107,15 @@ class HeldOutBatch:
 
 @dataclass
 class RoundResult:
-    """What a client sends after a round: its delta, performance signal, sample count and the
+    """What a client sends after a round: its delta, performance signal (after its local
+    training, and before it when the baseline is pre-round; else None), sample count and the
     metrics of its row."""
 
     delta: dict[str, torch.Tensor]
     performance: float
     num_examples: int
     metrics: dict[str, float] = field(default_factory=dict)
+    performance_before: float | None = None
 
 
 # ---- the client ----------------------------------------------------------------------------
@@ -158,6 +163,10 @@ class LocalClient:
         # Fresh local optimizer every round (FedAvg with a local optimizer): the round depends
         # on the global parameters only.
         self.node.optimizer = build_optimizer(self.node.model, self.node.cfg.optim)
+        before = None
+        if self.algo.pre_round and self.algo.performance == "eval":
+            with self.timer("performance"):  # the global model's score: the round's baseline
+                before = self._performance(round_)
         torch.manual_seed(self.seed + round_)
         steps: list[dict[str, float]] = []
         num_examples = 0
@@ -168,6 +177,8 @@ class LocalClient:
             batch, _, m = self._local_step(step)
             num_examples += batch.num_sequences
             last_reward = m["reward/mean"]
+            if e == 1 and self.algo.pre_round and self.algo.performance == "train":
+                before = last_reward  # sampled from the global model, before any update
             steps.append(m)
         metrics = mean_step_metrics(steps)  # means over the local steps...
         for key in SUMMED:  # ...but counts add up over the round
@@ -186,7 +197,9 @@ class LocalClient:
         metrics["train/num_examples"] = float(num_examples)
         metrics["train/local_seconds"] = time.perf_counter() - t0
         metrics["fgrpo/performance"] = performance
-        return RoundResult(delta, performance, num_examples, metrics)
+        if before is not None:
+            metrics["fgrpo/performance_before"] = before
+        return RoundResult(delta, performance, num_examples, metrics, before)
 
     def fit(
         self, params: Mapping[str, torch.Tensor], round_: int, config: Mapping[str, Any]
@@ -195,6 +208,8 @@ class LocalClient:
         sample count, the state kept in the client's checkpoint)."""
         result = self.train_round(params, round_)
         metrics = {**result.metrics, PERF_KEY: result.performance, COUNT_KEY: result.num_examples}
+        if result.performance_before is not None:
+            metrics[PERF_BEFORE_KEY] = result.performance_before
         return result.delta, metrics, {"performance": result.performance}
 
     def _local_step(self, step: int) -> tuple[RolloutBatch, torch.Tensor, dict[str, float]]:

@@ -48,7 +48,7 @@ class FGRPOConfig(AlgorithmConfig):
     """Federated GRPO (methods-wave2.md §1, docs/fgrpo.md): each sampled client runs
     `local_steps` GRPO steps from the global model on its own task and sends its parameter
     delta, a performance signal and its sample count; the server weights the deltas (by default
-    by relative performance gain against each client's own baseline) and applies them with
+    by relative performance gain against each client's score before its local training) and applies them with
     `server_lr`. Runs through Flower's simulation engine."""
 
     kind: Literal["fgrpo"] = "fgrpo"
@@ -76,10 +76,24 @@ class FGRPOConfig(AlgorithmConfig):
         description="Uniform share mixed into the relative-gain weights: "
         "w = (1 - floor) * softmax(g / tau) + floor / K.",
     )
-    gain: Literal["relative", "log-ratio"] = Field(
-        "relative",
-        description="relative: (P - B) / max(|B|, 1e-8); log-ratio: log(P / B) (both "
-        "scale-invariant).",
+    gain: Literal["floored", "relative", "log-ratio"] = Field(
+        "floored",
+        description="floored: (P - B) / max(|B|, gain_floor) (bounded near B = 0; "
+        "docs/math.md §9.4); relative: (P - B) / max(|B|, 1e-8) (the contract's formula); "
+        "log-ratio: log(P / B).",
+    )
+    gain_floor: float = Field(
+        0.1,
+        gt=0,
+        allow_inf_nan=False,
+        description="delta of the floored gain, in the units of the performance signal: a "
+        "baseline below it divides by it (0.1 = a tenth of a 0/1 reward).",
+    )
+    no_gain: Literal["fedavg", "skip", "weights"] = Field(
+        "fedavg",
+        description="When no accepted client's gain is > 0: fedavg = data-size weights, "
+        "skip = leave the global model unchanged this round, weights = the gain weights "
+        "anyway (the step at full size).",
     )
     gain_clip: float | None = Field(
         None,
@@ -99,8 +113,11 @@ class FGRPOConfig(AlgorithmConfig):
         description="Mix relative-gain weights with data-size weights: "
         "(1 - size_mix) * w_gain + size_mix * n_k / sum n.",
     )
-    baseline: Literal["ema", "mean", "best"] = Field(
-        "ema", description="Each client's baseline B_k: EMA, running mean, or best so far."
+    baseline: Literal["pre-round", "ema", "mean", "best"] = Field(
+        "pre-round",
+        description="Each client's baseline B_k: pre-round = its score of the global model it "
+        "was sent, before its local training in the same round (isolates its own update); or "
+        "its own past scores: EMA, running mean, or best so far.",
     )
     baseline_momentum: float = Field(
         0.9, ge=0, le=1, description="gamma of the EMA baseline: B <- gamma B + (1 - gamma) P."
@@ -109,7 +126,9 @@ class FGRPOConfig(AlgorithmConfig):
         "eval",
         description="The performance signal P_k: 'eval' = mean (scaled) verifier reward of "
         "greedy answers on the client's held-out local batch after local training; 'train' = "
-        "mean training reward of its last local step.",
+        "mean training reward of its last local step. With baseline pre-round the same "
+        "signal is measured before local training too: the held-out score of the global model, "
+        "or the first local step's mean reward (sampled before any update).",
     )
     performance_size: int = Field(
         64, ge=1, description="Problems in each client's held-out local batch (performance)."
@@ -127,6 +146,12 @@ class FGRPOConfig(AlgorithmConfig):
         if v is not None and not math.isfinite(v):
             raise ValueError("gain_clip must be a finite number or null")
         return v
+
+    @property
+    def pre_round(self) -> bool:
+        """Whether each client measures its performance before local training too (the
+        baseline of the relative-gain rule, docs/math.md §9.4)."""
+        return self.aggregation == "relative-gain" and self.baseline == "pre-round"
 
     def service_ranks(self, run: Any) -> list[str]:
         return [SERVER_NAME]

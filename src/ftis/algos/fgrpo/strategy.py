@@ -16,6 +16,7 @@ from typing import Any
 
 from flwr.app import Message
 
+from ftis.algos.federated.params import PERF_BEFORE_KEY
 from ftis.algos.federated.records import COUNT_KEY, PERF_KEY
 from ftis.algos.federated.strategy import (  # noqa: F401  (re-exported)
     IDENTIFY,
@@ -31,6 +32,16 @@ from ftis.config import RunConfig
 from ftis.exchange.wire import PayloadError
 
 log = logging.getLogger(__name__)
+
+
+def _finite(value: Any, what: str) -> float:
+    """A reply's number, checked: PayloadError unless a finite int or float."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PayloadError(f"{what} is {value!r}, not a number")
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise PayloadError(f"{what} is {value}, not finite")
+    return value
 
 
 class FGRPOStrategy(FederatedStrategy):
@@ -50,22 +61,28 @@ class FGRPOStrategy(FederatedStrategy):
     ) -> tuple[ClientReport, dict[str, float], float]:
         """A client's train reply, checked; PayloadError names what is wrong."""
         delta, metrics, count, nbytes = self.check_train_reply(msg, name)
-        perf = metrics.get(PERF_KEY)
-        if isinstance(perf, bool) or not isinstance(perf, int | float):
-            raise PayloadError(f"performance is {perf!r}, not a number")
-        perf = float(perf)
-        if perf != perf or perf in (float("inf"), float("-inf")):
-            raise PayloadError(f"performance is {perf}, not finite")
+        perf = _finite(metrics.get(PERF_KEY), "performance")
+        before = None
+        if self.aggregator.cfg.pre_round:  # the round's baseline: required
+            before = _finite(metrics.get(PERF_BEFORE_KEY), "performance before local training")
         row = {
             k: float(v)
             for k, v in metrics.items()
-            if k not in (PERF_KEY, COUNT_KEY)
+            if k not in (PERF_KEY, PERF_BEFORE_KEY, COUNT_KEY)
             and isinstance(v, int | float)
             and not isinstance(v, bool)
         }
         row["fgrpo/performance"] = perf
+        if before is not None:
+            row["fgrpo/performance_before"] = before
         row["train/num_examples"] = float(count)
-        report = ClientReport(name=name, delta=delta, performance=perf, num_examples=count)
+        report = ClientReport(
+            name=name,
+            delta=delta,
+            performance=perf,
+            num_examples=count,
+            performance_before=before,
+        )
         return report, row, nbytes
 
     def aggregate(self, r: int, reports: list[ClientReport]) -> dict[str, Any]:
@@ -77,9 +94,10 @@ class FGRPOStrategy(FederatedStrategy):
                         "fgrpo/accepted": 1.0,
                         "fgrpo/weight": outcome.weights[name],
                         "fgrpo/gain": outcome.gains[name],
-                        "fgrpo/baseline_after": outcome.new_baselines[name],
                     }
                 )
+                if name in outcome.new_baselines:
+                    self._rows[name]["fgrpo/baseline_after"] = outcome.new_baselines[name]
                 if outcome.baselines[name] is not None:
                     self._rows[name]["fgrpo/baseline"] = outcome.baselines[name]
             else:
@@ -96,14 +114,17 @@ class FGRPOStrategy(FederatedStrategy):
             "server/rejected_total": self.aggregator.totals["rejected_total"],
             "server/dropped_total": self.aggregator.totals["dropped_total"],
             "server/update_norm": outcome.update_norm,
-            "server/skipped_update": float(not reports),
+            "server/skipped_update": float(not reports or outcome.skipped),
         }
+        if reports:
+            row["agg/no_positive_gain"] = float(outcome.no_positive_gain)
         for name, w in outcome.weights.items():
             row[f"agg/weight/{name}"] = w
             row[f"agg/gain/{name}"] = outcome.gains[name]
             if outcome.baselines[name] is not None:
                 row[f"agg/baseline/{name}"] = outcome.baselines[name]
-            row[f"agg/baseline_after/{name}"] = outcome.new_baselines[name]
+            if name in outcome.new_baselines:
+                row[f"agg/baseline_after/{name}"] = outcome.new_baselines[name]
         for rep in reports:
             row[f"agg/performance/{rep.name}"] = rep.performance
             row[f"agg/num_examples/{rep.name}"] = float(rep.num_examples)

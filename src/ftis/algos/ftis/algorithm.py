@@ -112,11 +112,18 @@ class FTISAlgorithm:
         return metrics
 
     def learn(
-        self, received: list[RolloutBatch | None], own: RolloutBatch, step: int
+        self,
+        received: list[RolloutBatch | None],
+        own: RolloutBatch,
+        step: int,
+        *,
+        groups: str = "prompt",
     ) -> tuple[dict[str, float], RolloutBatch]:
         """Score, advantages and update on the validated batches of a step (None: nothing from
         that rank); returns the step's metrics and the batch it trained on. Also used by the
-        swarm algorithm (ftis.algos.swarm), whose peers come and go."""
+        swarm algorithm (ftis.algos.swarm), whose peers come and go. groups: what an advantage
+        group is, "prompt" (every rank's completions of a prompt: F-TIS's shared groups) or
+        "generator" (one rank's completions of a prompt: `scoring.group_ids`)."""
         pad_id = self.node.tokenizer.pad_token_id
         batch = RolloutBatch.concat([b for b in received if b is not None], pad_id)
         with self.timer("score"):
@@ -131,8 +138,8 @@ class FTISAlgorithm:
                 bad_rewards,
             )
         with self.timer("advantages"):
-            lonely = scoring.lonely_groups(batch)
-            skipped_groups = len(set(batch.prompt_index[lonely].tolist()))
+            lonely = scoring.lonely_groups(batch, by=groups)
+            skipped_groups = len(set(scoring.group_ids(batch, groups)[lonely].tolist()))
             if skipped_groups:
                 log.warning(
                     "node %s step %d: skipped %d group(s) with a single completion (a peer's "
@@ -145,7 +152,9 @@ class FTISAlgorithm:
             peer_scale = None
             metrics: dict[str, float] = {"train/skipped_groups": float(skipped_groups)}
             if self.hacpo is None:
-                adv = scoring.advantages_for(batch, rewards, self.node.cfg.loss.advantage_scale)
+                adv = scoring.advantages_for(
+                    batch, rewards, self.node.cfg.loss.advantage_scale, by=groups
+                )
             else:
                 self.hacpo.record(batch, rewards)
                 adv, peer_scale, hacpo_metrics = joint_advantages(

@@ -92,16 +92,28 @@ class PopulationAlgorithm:
         self.current = self.stage0
         self.stage0_known = True  # False after a resume past consolidation (theta_0 not kept)
         self.base_sha = weights_sha256(ctx.node.model)
-        self.base_digest = bytes.fromhex(self.base_sha)[:16]
+        # The digest on every payload: the base weights and the weights this party rebuilds
+        # from a check direction of two members (docs/math.md §10.1). A party that rebuilds
+        # other bits from the same seeds (another noise kernel) is refused by every other one.
+        check = [(self.seeds[0], self.sigmas[0], 1.0)]
+        if a.population > 1:
+            check.append((self.seeds[1], self.sigmas[1], -0.5))
+        self.rebuild_sha = self.stage0.rebuilt_sha256(check)
+        self.base_digest = hashlib.sha256(f"{self.base_sha}|{self.rebuild_sha}".encode()).digest()[
+            :16
+        ]
         own_task = build_task(a.node_task(ctx.cfg, ctx.node.name))
         self.own_task = own_task
-        self.support, self.probe = private_sets(
+        corp = isinstance(a, CoRPConfig)
+        self.gate = corp and a.validation_gate  # type: ignore[union-attr]
+        self.support, self.probe, self.validation = private_sets(
             own_task,
             ctx.node,
             seed=a.seed,
             name=ctx.node.name,
             support=a.support_size,
-            probe=a.probe_size if isinstance(a, CoRPConfig) else 0,
+            probe=a.probe_size if corp else 0,  # type: ignore[union-attr]
+            validation=a.probe_size if self.gate else 0,  # type: ignore[union-attr]
         )
         self.codec = PopulationCodec()
         # rank -> member -> [mean reward, problems] (None: not received from that rank)
@@ -241,15 +253,22 @@ class PopulationAlgorithm:
                     stats.append(st)
         grid = a.candidates()
         tokens = 0
+        # The base and every candidate on the probe split (and, with the gate, on the
+        # validation split: values = probe values, then validation values, both base first).
+        splits = [self.probe, self.validation] if self.gate else [self.probe]
         with self.timer("probe"):
-            base, tok, _ = self._mean_reward(self.probe)
-            values = [base]
-            tokens += tok
+            per_split: list[list[float]] = [[] for _ in splits]
+            for k, ps in enumerate(splits):
+                r, tok, _ = self._mean_reward(ps)
+                per_split[k].append(r)
+                tokens += tok
             for qi, bi, alpha in grid:
                 self.stage0.apply(_scaled(dirs[qi * nb + bi], alpha))
-                r, tok, _ = self._mean_reward(self.probe)
-                values.append(r)
-                tokens += tok
+                for k, ps in enumerate(splits):
+                    r, tok, _ = self._mean_reward(ps)
+                    per_split[k].append(r)
+                    tokens += tok
+            values = [v for vs in per_split for v in vs]
             self.stage0.restore()
         payload = PopulationPayload(
             kind=KIND_PROBE,
@@ -264,16 +283,25 @@ class PopulationAlgorithm:
             got, rejected = self._trade(step, payload, max_triples=a.population)
         parties = {self.rank: payload, **got}
         ranks = sorted(parties)
-        pooled = pool([parties[r].values for r in ranks], [parties[r].problems for r in ranks])
+        everything = pool([parties[r].values for r in ranks], [parties[r].problems for r in ranks])
+        n = 1 + len(grid)  # base + candidates, per split
+        pooled, validated = everything[:n], everything[n:]
         leader = ranks[0]
         best = max(range(len(grid)), key=lambda c: (pooled[1 + c], -c))
         qi, bi, alpha = grid[best]
         chosen = _scaled(parties[leader].directions[qi * nb + bi], alpha)
         own_choice = _scaled(dirs[qi * nb + bi], alpha)
+        # The gate (docs/math.md §10.4): the chosen candidate must beat the base on the pooled
+        # held-out validation split, else the base model is kept (an empty stage).
+        applied = not self.gate or validated[1 + best] > validated[0]
         with self.timer("apply"):
-            self.stage0.apply(chosen)
+            if applied:
+                self.stage0.apply(chosen)
+            else:
+                self.stage0.restore()
             self.current = Perturber(self.node.model, stream=a.noise)
-        self.stages.append(chosen)
+        stage = list(chosen) if applied else []
+        self.stages.append(stage)
         sha = weights_sha256(self.node.model)
         self.choice = {
             "q": a.quantiles[qi],
@@ -281,14 +309,18 @@ class PopulationAlgorithm:
             "alpha": alpha,
             "probe_base": pooled[0],
             "probe_reward": pooled[1 + best],
+            "applied": applied,
             "leader": leader,
             "weights_sha256": sha,
         }
+        if self.gate:
+            self.choice["validation_base"] = validated[0]
+            self.choice["validation_reward"] = validated[1 + best]
         self._write_direction(sha)
         self._write_population()
         log.info(
-            "node %s: consolidated q=%g beta=%g alpha=%g (%d terms, probe %.3f vs base %.3f), "
-            "weights sha256 %s",
+            "node %s: consolidated q=%g beta=%g alpha=%g (%d terms, probe %.3f vs base %.3f%s): "
+            "%s, weights sha256 %s",
             self.node.name,
             a.quantiles[qi],
             a.betas[bi],
@@ -296,6 +328,10 @@ class PopulationAlgorithm:
             len(chosen),
             pooled[1 + best],
             pooled[0],
+            f", validation {validated[1 + best]:.3f} vs base {validated[0]:.3f}"
+            if self.gate
+            else "",
+            "applied" if applied else "kept the base model (the gate)",
             sha,
         )
         st = stats[qi * nb + bi]
@@ -306,13 +342,22 @@ class PopulationAlgorithm:
             "corp/elite_size": float(elites[qi]),
             "corp/probe_base": pooled[0],
             "corp/probe_reward": pooled[1 + best],
-            "corp/probe_best_own": max(values[1:]),
+            "corp/probe_best_own": max(values[1:n]),
+            "corp/applied": float(applied),
             "corp/candidates": float(len(grid)),
             "corp/alignment": st["alignment"],
             "corp/dispersion": st["dispersion"],
             "corp/mean_norm": st["mean_norm"],
             "corp/leader": float(leader),
             "corp/own_direction": float(chosen == own_choice),
+            **(
+                {
+                    "corp/validation_base": validated[0],
+                    "corp/validation_reward": validated[1 + best],
+                }
+                if self.gate
+                else {}
+            ),
             "population/weights_sha256": sha,
         }
         metrics.update(self._exchange_metrics(got, rejected))
@@ -434,9 +479,25 @@ class PopulationAlgorithm:
                 )
             except PayloadError as e:
                 rejected += 1
-                log.warning(
-                    "node %s step %d: rejected rank %d's rewards: %s", self.node.name, step, peer, e
-                )
+                if "digest" in str(e):  # another model or other noise: never a transient fault
+                    log.error(
+                        "node %s step %d: refused rank %d: it rebuilds other weights from the "
+                        "same seeds (its digest of the base weights and of a check direction "
+                        "rebuilt on them differs: other base weights, or a torch whose noise "
+                        "differs); its rewards are left out of every pool. %s",
+                        self.node.name,
+                        step,
+                        peer,
+                        e,
+                    )
+                else:
+                    log.warning(
+                        "node %s step %d: rejected rank %d's rewards: %s",
+                        self.node.name,
+                        step,
+                        peer,
+                        e,
+                    )
         self.counters["rejected_total"] += rejected
         return got, rejected
 

@@ -143,6 +143,13 @@ class CoRPConfig(RandOptConfig):
         description="Problems in each node's private probe split (disjoint from its "
         "support set) on which (q, beta, alpha) is chosen.",
     )
+    validation_gate: bool = Field(
+        True,
+        description="Apply the chosen candidate only if it beats the base model on a held-out "
+        "validation split (probe_size more private problems per node, disjoint from the "
+        "support and probe sets; pooled like the probe); otherwise keep the base model. False: "
+        "always apply the best probe candidate.",
+    )
     quantiles: list[float] = Field(
         default_factory=lambda: [0.75, 0.9],
         min_length=1,

@@ -45,6 +45,16 @@ def weights_sha256(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def tensors_sha256(tensors: Sequence[torch.Tensor]) -> str:
+    """Hex sha256 of a list of tensors (dtype, shape and bytes, in order)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        c = t.detach().to("cpu").contiguous().reshape(-1)
+        h.update(f"{c.dtype}|{tuple(t.shape)}|".encode())
+        h.update(c.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 class Perturber:
     """Writes seeded perturbations of the center weights into a model.
 
@@ -68,6 +78,9 @@ class Perturber:
     def apply(self, triples: Sequence[Triple]) -> None:
         """model <- center + sum_j weight_j * sigma_j * eps(seed_j) (added in float32, then cast
         to each parameter's dtype)."""
+        if not triples:  # an empty direction (a stage that kept its center): exactly the center
+            self.restore()
+            return
         delta = combine_noise(self.shapes, triples, stream=self.stream)
         for (_, p), c, d in zip(self.named, self.center, delta, strict=True):
             p.copy_((c.float() + d.to(c.device)).to(p.dtype))
@@ -77,6 +90,15 @@ class Perturber:
         """model <- center, exactly."""
         for (_, p), c in zip(self.named, self.center, strict=True):
             p.copy_(c)
+
+    def rebuilt_sha256(self, triples: Sequence[Triple]) -> str:
+        """sha256 of the perturbed tensors of center + direction `triples` (the model is left at
+        the center): two parties with the same digest rebuild the same weights bit for bit."""
+        self.apply(triples)
+        try:
+            return tensors_sha256([p for _, p in self.named])
+        finally:
+            self.restore()
 
     def recenter(self) -> None:
         """Make the model's current weights the new center."""

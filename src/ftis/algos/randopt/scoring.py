@@ -37,22 +37,36 @@ def problem_set(task: Task, node: Node, problems: list[Problem]) -> ProblemSet:
 
 
 def private_sets(
-    task: Task, node: Node, *, seed: int, name: str, support: int, probe: int
-) -> tuple[ProblemSet, ProblemSet]:
-    """(support, probe): `support + probe` distinct problems of `task`'s train split, drawn from
-    (seed, node name), so every node holds its own problems; the probe set is disjoint from the
-    support set. Evaluation splits are never used (the train split excludes them)."""
+    task: Task,
+    node: Node,
+    *,
+    seed: int,
+    name: str,
+    support: int,
+    probe: int,
+    validation: int = 0,
+) -> tuple[ProblemSet, ProblemSet, ProblemSet]:
+    """(support, probe, validation): `support + probe + validation` distinct problems of
+    `task`'s train split, drawn from (seed, node name), so every node holds its own problems;
+    the three sets are disjoint (the validation set is empty when `validation` is 0).
+    Evaluation splits are never used (the train split excludes them)."""
     train = task.split("train")
-    want = support + probe
+    want = support + probe + validation
     if want > len(train):
         raise ValueError(
-            f"node {name}: support_size + probe_size = {want} exceeds the {len(train)} train "
-            "problems of its task; lower algorithm.support_size or probe_size"
+            f"node {name}: support_size + probe_size (+ probe_size again for the validation "
+            f"split) = {want} exceeds the {len(train)} train problems of its task; lower "
+            "algorithm.support_size or probe_size (or set validation_gate: false)"
         )
     key = blake2b(f"population|{seed}|{name}".encode(), digest_size=8).digest()
     idx = random.Random(int.from_bytes(key, "little")).sample(range(len(train)), want)
     problems = [train[i] for i in idx]
-    return problem_set(task, node, problems[:support]), problem_set(task, node, problems[support:])
+    a, b = support, support + probe
+    return (
+        problem_set(task, node, problems[:a]),
+        problem_set(task, node, problems[a:b]),
+        problem_set(task, node, problems[b:]),
+    )
 
 
 @torch.no_grad()

@@ -7,7 +7,8 @@
     validate    a peer's batch may only answer this round's prompts, at most G per prompt;
                 then at most `max_peers_used` peers' batches are kept (drawn at random)
     learn       F-TIS's own score / advantages / update (ftis.algos.ftis.algorithm.learn):
-                a group holds every present peer's completions of its prompt
+                a group holds one peer's G completions of a prompt (`groups: generator`,
+                the default), or every present peer's (`groups: prompt`)
 
 Differences from `ftis`: no sharing scheme (nobody knows who will be there, so every peer
 samples whole groups); membership is whatever arrived; rounds are the shell's steps, and a
@@ -73,7 +74,7 @@ class SwarmAlgorithm:
         with inner.timer("validate"):
             rejected = self._validate(received, indices, step)
             self._subsample(received, step)
-        metrics, batch = inner.learn(received, own, step)
+        metrics, batch = inner.learn(received, own, step, groups=self.ctx.cfg.algorithm.groups)
         metrics.update(inner._exchange_metrics(own, batch, rejected))
         metrics.update(self._swarm_metrics(received, rejected))
         return metrics

@@ -90,6 +90,11 @@ class SwarmConfig(AlgorithmConfig):
     max_peers_used: train on at most this many peers' batches per round besides one's own
         (drawn at random per round, as SAPO mixes a few external rollouts with its own); None:
         all that arrived. Bounds a round's update in a large swarm.
+    groups: what an advantage group is. generator (default): one peer's G completions of a
+        prompt, each model's samples measured against its own baseline (the F-TIS paper's
+        per-generator groups); prompt: every present peer's completions of the prompt, up to
+        (1 + peers) x G samples of different models sharing one baseline (the "horizontal"
+        variant, which the paper reports as worse; ftis's behaviour before issue 21).
     initial_peers: multiaddrs of a running swarm to join (empty: `ftis run` starts a bootstrap
         DHT node on 127.0.0.1 and the peers join it).
     backend: `sim` runs every peer in this one process, on an in-memory board with virtual
@@ -108,6 +113,7 @@ class SwarmConfig(AlgorithmConfig):
     start_timeout_s: float = Field(600.0, gt=0)
     max_payload_mb: float = Field(4.0, gt=0)
     max_peers_used: int | None = Field(None, ge=0)
+    groups: Literal["generator", "prompt"] = "generator"
     initial_peers: list[str] = Field(default_factory=list)
     churn: dict[str, ChurnConfig] = Field(default_factory=dict)
     random_churn: RandomChurn | None = None
