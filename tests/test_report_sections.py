@@ -306,6 +306,44 @@ def test_population_section_shows_the_vote_over_members(tmp_path: Path) -> None:
     _no_ftis_columns(report)
 
 
+def test_corp_section_shows_its_choice_and_the_vote_at_the_end(tmp_path: Path) -> None:
+    rows = [
+        {"step": 0, "node": "x", "eval/accuracy": 0.2, "eval/test/accuracy": 0.2},
+        {
+            "step": 1,
+            "node": "x",
+            "population/scored_total": 4.0,
+            "population/perturbations_per_second": 2.0,
+        },
+        {
+            "step": 2,
+            "node": "x",
+            "corp/q": 0.75,
+            "corp/beta": 30.0,
+            "corp/alpha": 1.0,
+            "corp/probe_base": 0.3,
+            "corp/probe_reward": 0.35,
+            "population/weights_sha256": "ef" * 32,
+            "eval/accuracy": 0.25,  # the consolidated model
+            "eval/test/accuracy": 0.25,
+            "eval/randopt/vote_accuracy": 0.3,
+            "eval/randopt/best_accuracy": 0.28,
+            "eval/randopt/k": 2.0,
+        },
+    ]
+    sec = _section(
+        write_report(_run(tmp_path, "corp", rows)).read_text(), "Population (RandOpt / CoRP)"
+    )
+    # no forward tokens and no rejected count in the rows: those columns are absent
+    assert (
+        "| party | eval acc step 0 -> end | RandOpt vote / best member (end) | (q, beta, alpha) "
+        "| probe base -> chosen | perturbations/s |"
+    ) in sec
+    assert "| x | 20.0% -> 25.0% | 30.0% / 28.0% | (0.75, 30, 1) | 30.0% -> 35.0% | 2.0 |" in sec
+    assert "Every party (1) ends with the same weights: sha256 `efefefefefefefef...`." in sec
+    assert "| x | 2 | 4 | 30.0% | 28.0% |" in sec  # scored by step 1, voted at step 2
+
+
 # ---------------------------------------------------------------------------------- summary
 
 
