@@ -1,7 +1,12 @@
 """Reports: a summary table and PNG plots from a run directory's metrics.jsonl.
 
-`write_report(run_dir)` writes report.md, accuracy.png and training.png; `compare_runs` overlays
-several runs. Everything is recomputed from metrics.jsonl, so `ftis report` can redraw any run.
+`write_report(run_dir)` writes report.md, accuracy.png and (when the rows hold F-TIS's training
+figures) training.png, then the run's algorithm's own section (`register_algorithm(report=...)`,
+found from config.yaml; this module never names an algorithm). `compare_runs` overlays several
+runs. Everything is recomputed from metrics.jsonl, so `ftis report` can redraw any run.
+
+No data is absent, never 0: a table cell a node has no value for is '-', and a column (or a
+plot panel) no node has a value for is left out (`table_lines`).
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ def eval_splits(rows: list[dict[str, Any]]) -> list[str]:
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One dict per node: accuracy before/after per split, mean filtered fraction, wire cost,
-    wall time of the training steps and evaluations."""
+    wall time of the training steps and evaluations. A figure the node's rows do not hold is
+    not a key of its dict."""
     out = []
     for node in nodes_in(rows):
         mine = [r for r in rows if r.get("node") == node]
@@ -71,9 +77,11 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     agg[k].append(float(r[k]))
         for k, v in agg.items():
             s[k] = sum(v) / len(v)
-        s["seconds"] = sum(
+        times = [
             float(v) for r in mine for k, v in r.items() if k.startswith("time/") and v is not None
-        )
+        ]
+        if times:  # a node that timed nothing (a federated server) has no node time, not 0 s
+            s["seconds"] = sum(times)
         out.append(s)
     return out
 
@@ -86,28 +94,52 @@ def _fmt(v: Any, pct: bool = False) -> str:
     return f"{v:.2f}" if isinstance(v, float) else str(v)
 
 
+def table_lines(header: list[str], body: list[list[str | None]]) -> list[str]:
+    """A markdown table in which no data is absent: a cell that is None prints '-', and a
+    column whose cells are all None is left out (with its header)."""
+    header, rows = drop_empty_columns(header, body)
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(r) + " |" for r in rows),
+    ]
+
+
+def drop_empty_columns(
+    header: list[str], body: list[list[str | None]]
+) -> tuple[list[str], list[list[str]]]:
+    """`header` and `body` without the columns no row has a value (not None) in; the other
+    None cells become '-'."""
+    keep = [j for j in range(len(header)) if any(r[j] is not None for r in body)]
+    return [header[j] for j in keep], [["-" if r[j] is None else r[j] for j in keep] for r in body]
+
+
 def summary_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the per-node summary, as strings (shared by report.md and the CLI)."""
+    """Header and rows of the per-node summary, as strings (shared by report.md and the CLI).
+    A node without a figure its peers have shows '-'; a figure no node has is no column."""
     splits = eval_splits(rows)
     header = (
         ["node"]
         + [f"{s} acc before -> after" for s in splits]
         + ["filtered", "bytes/token", "node time (s)"]
     )
-    body = []
+    body: list[list[str | None]] = []
     for s in summarize(rows):
-        line = [s["node"]]
+        line: list[str | None] = [s["node"]]
         for sp in splits:
-            line.append(
-                f"{_fmt(s.get(f'{sp}_before'), True)} -> {_fmt(s.get(f'{sp}_after'), True)}"
-            )
+            before, after = s.get(f"{sp}_before"), s.get(f"{sp}_after")
+            line.append(None if before is None else f"{_fmt(before, True)} -> {_fmt(after, True)}")
         line += [
-            _fmt(s.get("loss/filtered_frac"), True),
-            _fmt(s.get("exchange/bytes_per_token")),
-            f"{s['seconds']:.0f}",
+            _opt(s.get("loss/filtered_frac"), True),
+            _opt(s.get("exchange/bytes_per_token")),
+            None if s.get("seconds") is None else f"{s['seconds']:.0f}",
         ]
         body.append(line)
-    return header, body
+    return drop_empty_columns(header, body)
+
+
+def _opt(v: Any, pct: bool = False) -> str | None:
+    return None if v is None else _fmt(v, pct)
 
 
 def _plot_accuracy(rows, path: Path, label_prefix: str = "", axes=None) -> None:
@@ -180,28 +212,28 @@ def _smooth(y: list[float], k: int = 5) -> list[float]:
 def write_report(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     rows = load_rows(run_dir)
-    _plot_accuracy(rows, run_dir / "accuracy.png")
+    for stale in ("accuracy.png", "training.png"):  # a redraw must not link an old plot
+        (run_dir / stale).unlink(missing_ok=True)
+    if eval_splits(rows):
+        _plot_accuracy(rows, run_dir / "accuracy.png")
     if any(r["step"] > 0 for r in rows):
         _plot_training(rows, run_dir / "training.png")
     header, body = summary_table(rows)
-    lines = [
-        f"# ftis run: {run_dir.name}",
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-    ]
-    lines += ["| " + " | ".join(r) + " |" for r in body]
-    lines += [
-        "",
-        "Accuracy is greedy, on at most `eval.size` problems per split; 'before' is step 0.",
-        "'filtered' is the mean fraction of sequences the F- filter zeroed per step.",
-        "",
-        "![accuracy](accuracy.png)",
-        "",
-    ]
+    lines = [f"# ftis run: {run_dir.name}", ""]
+    lines += table_lines(header, body)  # type: ignore[arg-type]
+    lines.append("")
+    if eval_splits(rows):
+        lines.append(
+            "Accuracy is greedy, on at most `eval.size` problems per split; 'before' is step 0."
+        )
+    if "filtered" in header:
+        lines.append("'filtered' is the mean fraction of sequences the F- filter zeroed per step.")
+    lines.append("")
+    if (run_dir / "accuracy.png").exists():
+        lines += ["![accuracy](accuracy.png)", ""]
+    lines += _algorithm_section(rows, run_dir)
     if (run_dir / "training.png").exists():
         lines += ["![training](training.png)", ""]
-    lines += _algorithm_section(rows, run_dir)
     lines += samples_section(run_dir)
     lines += ["Config: [config.yaml](config.yaml). Metrics: [metrics.jsonl](metrics.jsonl).", ""]
     path = run_dir / "report.md"

@@ -206,6 +206,7 @@ def _register_fgrpo() -> None:
         FGRPOConfig,
         "ftis.algos.fgrpo.launch:not_a_node",
         launcher="ftis.algos.fgrpo.launch:run_federated",
+        report="ftis.algos.fgrpo.report:report_section",
     )
     # The FGRPO study (studies/fgrpo.yaml, `kind: fgrpo`): aggregation rules against centralized
     # GRPO and each client alone, derived from the federation; its document.
@@ -282,6 +283,7 @@ def _register_swarm() -> None:
         SwarmConfig,
         "ftis.algos.swarm.algorithm:SwarmAlgorithm",
         launcher="ftis.algos.swarm.launch:run_swarm",
+        report="ftis.algos.swarm.report:report_section",
     )
     # The swarm study's document (studies/swarm.yaml, `results: swarm`).
     register_study_renderer("swarm", "ftis.algos.swarm.study_results:render", kinds=("arms",))

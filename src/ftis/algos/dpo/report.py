@@ -1,11 +1,16 @@
-"""The DPO runs' section of report.md: preference accuracy per agent (step 0 -> end), the
-graph's rho and spectral gap, and a plot of the DPO loss, the held-out preference accuracy and
-(gossip) the consensus error before and after mixing against the round (dpo.png)."""
+"""The DPO runs' section of report.md (kinds dpo, gossip-dpo, fed-dpo): per agent, the held-out
+preference accuracy and DPO loss at step 0 and at the end and the reward accuracy at the end;
+FedDPO's participation, staleness and rejected replies; the gossip graph's rho and spectral gap;
+and a plot (dpo.png) of the training DPO loss, the held-out preference accuracy and DPO loss and
+(gossip) the consensus error before and after mixing against the round. A figure no row holds
+is left out (a '-' cell, a dropped column, a missing panel or clause), never shown as 0."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+from ftis.report import nodes_in, table_lines
 
 
 def _series(rows: list[dict[str, Any]], node: str, key: str) -> tuple[list[int], list[float]]:
@@ -15,55 +20,83 @@ def _series(rows: list[dict[str, Any]], node: str, key: str) -> tuple[list[int],
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def _pct(v: float | None) -> str | None:
+    return None if v is None else f"{100 * v:.1f}%"
+
+
+def _span(vals: list[float], fmt) -> str | None:
+    """'first -> last' of a series, or None when it is empty."""
+    return f"{fmt(vals[0])} -> {fmt(vals[-1])}" if vals else None
+
+
 def report_section(rows: list[dict[str, Any]], run_dir: Path) -> list[str]:
-    nodes = list(dict.fromkeys(r["node"] for r in rows if "node" in r))
-    lines = [
-        "## DPO",
-        "",
-        "| agent | preference accuracy (step 0 -> end) | reward accuracy (end) | DPO loss (end) |",
-        "|---|---|---|---|",
-    ]
+    nodes = nodes_in(rows)
+    body: list[list[str | None]] = []
     for n in nodes:
         _, acc = _series(rows, n, "eval/preference_accuracy")
         _, racc = _series(rows, n, "eval/reward_accuracy")
         _, loss = _series(rows, n, "eval/dpo_loss")
-        if not acc:
+        if not (acc or racc or loss):
             continue
         label = "server (union of the clients' pairs)" if n == "server" else n
-        lines.append(
-            f"| {label} | {100 * acc[0]:.1f}% -> {100 * acc[-1]:.1f}% | "
-            f"{100 * racc[-1]:.1f}% | {loss[-1]:.3f} |"
+        body.append(
+            [
+                label,
+                _span(acc, lambda v: f"{100 * v:.1f}%"),
+                _pct(racc[-1] if racc else None),
+                _span(loss, lambda v: f"{v:.3f}"),
+            ]
         )
-    lines += [
-        "",
-        "Preference accuracy: share of the agent's held-out pairs whose chosen response the "
-        "policy gives the higher summed log-prob. Reward accuracy: share with a positive DPO "
-        "margin against the frozen reference (0 at step 0 by construction).",
-        "",
-    ]
-    lines += _federated_lines(rows)
-    rho = [r["gossip/rho_full"] for r in rows if r.get("gossip/rho_full") is not None]
-    if rho:
-        live = [r for r in rows if r.get("gossip/rho") is not None]
-        last = max(live, key=lambda r: r["step"]) if live else None
+    lines = ["## DPO", ""]
+    if body:
+        lines += table_lines(
+            [
+                "agent",
+                "preference accuracy (step 0 -> end)",
+                "reward accuracy (end)",
+                "held-out DPO loss (step 0 -> end)",
+            ],
+            body,
+        )
         lines += [
-            f"Gossip graph: rho = {rho[0]:.4f}, spectral gap 1 - rho^2 = {1 - rho[0] ** 2:.4f}"
-            + (
-                f"; at the last round, over the agents still running: rho = "
-                f"{last['gossip/rho']:.4f}, gap {last['gossip/spectral_gap']:.4f}"
-                if last is not None
-                else ""
-            )
-            + ".",
+            "",
+            "Preference accuracy: share of the agent's held-out pairs whose chosen response the "
+            "policy gives the higher summed log-prob. Reward accuracy: share with a positive DPO "
+            "margin against the frozen reference (0 at step 0 by construction). Held-out DPO "
+            "loss: the DPO loss on those pairs.",
             "",
         ]
+    else:
+        lines += ["No held-out preference evaluation in the rows.", ""]
+    lines += _federated_lines(rows)
+    lines += _gossip_lines(rows)
     if _plot(rows, nodes, Path(run_dir) / "dpo.png"):
         lines += ["![dpo](dpo.png)", ""]
     return lines
 
 
+def _gossip_lines(rows: list[dict[str, Any]]) -> list[str]:
+    rho = [r["gossip/rho_full"] for r in rows if r.get("gossip/rho_full") is not None]
+    if not rho:
+        return []
+    live = [r for r in rows if r.get("gossip/rho") is not None]
+    last = max(live, key=lambda r: r["step"]) if live else None
+    tail = ""
+    if last is not None:
+        tail = f"; at the last round, over the agents still running: rho = {last['gossip/rho']:.4f}"
+        if last.get("gossip/spectral_gap") is not None:
+            tail += f", gap {last['gossip/spectral_gap']:.4f}"
+    return [
+        f"Gossip graph: rho = {rho[0]:.4f}, spectral gap 1 - rho^2 = {1 - rho[0] ** 2:.4f}"
+        + tail
+        + ".",
+        "",
+    ]
+
+
 def _federated_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """FedDPO's server figures: participation, staleness, rejected and dropped replies."""
+    """FedDPO's server figures: participation, staleness, rejected and dropped replies; each
+    clause only when the server's rows hold its figure."""
     server = sorted(
         (r for r in rows if r.get("node") == "server" and r.get("step", 0) > 0),
         key=lambda r: r["step"],
@@ -73,34 +106,55 @@ def _federated_lines(rows: list[dict[str, Any]]) -> list[str]:
     fed = [r for r in server if r.get("fed/sampled") is not None]
     if not fed:
         return []
-    mean = lambda key: sum(r.get(key, 0.0) for r in fed) / len(fed)  # noqa: E731
-    last = fed[-1]
-    return [
-        f"FedDPO: {len(fed)} rounds, {mean('fed/sampled'):.1f} clients sampled and "
-        f"{mean('fed/participants'):.1f} averaged per round on average, mean staleness "
-        f"{mean('fed/staleness_mean'):.2f} rounds; {last.get('fed/rejected_total', 0):.0f} "
-        f"replies rejected, {last.get('fed/dropped_total', 0):.0f} dropped, "
-        f"{last.get('fed/lost_clients', 0):.0f} clients lost at the end.",
-        "",
+
+    def mean(key: str) -> float | None:
+        vals = [float(r[key]) for r in fed if r.get(key) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    def last(key: str) -> float | None:
+        vals = [r[key] for r in fed if r.get(key) is not None]
+        return float(vals[-1]) if vals else None
+
+    said = [f"{len(fed)} rounds", f"{mean('fed/sampled'):.1f} clients sampled"]
+    if mean("fed/participants") is not None:
+        said[-1] += f" and {mean('fed/participants'):.1f} averaged per round on average"
+    if mean("fed/staleness_mean") is not None:
+        said.append(f"mean staleness {mean('fed/staleness_mean'):.2f} rounds")
+    counts = [
+        f"{v:.0f} {what}"
+        for what, v in (
+            ("replies rejected", last("fed/rejected_total")),
+            ("dropped", last("fed/dropped_total")),
+            ("clients lost at the end", last("fed/lost_clients")),
+        )
+        if v is not None
     ]
+    text = "FedDPO: " + ", ".join(said)
+    if counts:
+        text += "; " + ", ".join(counts)
+    return [text + ".", ""]
 
 
 def _plot(rows: list[dict[str, Any]], nodes: list[str], path: Path) -> bool:
+    panels = [
+        (key, title)
+        for key, title in (
+            ("loss/dpo", "DPO loss (training)"),
+            ("eval/preference_accuracy", "held-out preference accuracy"),
+            ("eval/dpo_loss", "held-out DPO loss"),
+        )
+        if any(r.get(key) is not None for r in rows)
+    ]
+    gossip = any(r.get("gossip/consensus_error_before") is not None for r in rows)
+    if not panels and not gossip:
+        return False
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [
-        ("loss/dpo", "DPO loss (training)"),
-        ("eval/preference_accuracy", "held-out preference accuracy"),
-    ]
-    gossip = any(r.get("gossip/consensus_error_before") is not None for r in rows)
-    if not any(r.get("loss/dpo") is not None for r in rows):
-        return False
-    fig, axes = plt.subplots(
-        1, len(panels) + gossip, figsize=(4.5 * (len(panels) + gossip), 3.4), squeeze=False
-    )
+    n_ax = len(panels) + gossip
+    fig, axes = plt.subplots(1, n_ax, figsize=(4.5 * n_ax, 3.4), squeeze=False)
     for ax, (key, title) in zip(axes[0], panels):
         for n in nodes:
             x, y = _series(rows, n, key)
@@ -112,13 +166,14 @@ def _plot(rows: list[dict[str, Any]], nodes: list[str], path: Path) -> bool:
         ax.legend(fontsize=8)
     if gossip:
         ax = axes[0][-1]
-        ref = nodes[0]
+        ref = next(n for n in nodes if _series(rows, n, "gossip/consensus_error_before")[0])
         for key, style in (
             ("gossip/consensus_error_before", "-"),
             ("gossip/consensus_error_after", "--"),
         ):
             x, y = _series(rows, ref, key)
-            ax.plot(x, [max(v, 1e-30) for v in y], style, label=key.split("_")[-1])
+            if x:
+                ax.plot(x, [max(v, 1e-30) for v in y], style, label=key.split("_")[-1])
         ax.set_yscale("log")
         ax.set_title(f"consensus error (as {ref} measured it)")
         ax.set_xlabel("round")
