@@ -114,3 +114,86 @@ def test_missing_data_file_is_a_clean_error(tmp_path):
     assert res.exit_code == 2, res.output
     assert "none.jsonl" in res.output and "train_file" in res.output
     assert "Traceback" not in res.output
+
+
+# ---- the run directory (issue 22, item 5) ------------------------------------------------------
+
+
+def _victim(tmp_path):
+    """A directory that ftis did not create, holding a file someone cares about."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "thesis.tex").write_text("years of work")
+    return victim
+
+
+def test_overwrite_refuses_a_directory_ftis_did_not_create(tmp_path):
+    victim = _victim(tmp_path)
+    res = runner.invoke(app, ["run", _config(tmp_path), "--out", str(victim), "--overwrite"])
+    assert res.exit_code == 2, res.output
+    assert "not created by ftis" in res.output and "Traceback" not in res.output
+    assert (victim / "thesis.tex").read_text() == "years of work"
+
+
+def test_a_run_name_that_is_a_path_is_refused_before_anything_is_touched(tmp_path, monkeypatch):
+    victim = _victim(tmp_path)
+    monkeypatch.chdir(tmp_path / "victim")
+    for name in (str(victim), "../victim", "..", "a/b", ""):
+        res = runner.invoke(
+            app, ["run", _config(tmp_path), "--set", f"name={name!r}", "--overwrite"]
+        )
+        assert res.exit_code == 2, (name, res.output)
+        assert "name" in res.output and "one folder name" in res.output, res.output
+    assert sorted(p.name for p in victim.iterdir()) == ["thesis.tex"]
+
+
+def test_overwrite_replaces_a_run_directory_ftis_created(tmp_path, monkeypatch):
+    import ftis.launch
+
+    seen = []
+    monkeypatch.setattr(
+        ftis.launch,
+        "run_local",
+        lambda cfg, d, **kw: seen.append(sorted(p.name for p in d.iterdir())),
+    )
+    monkeypatch.setattr("ftis.cli._finish", lambda d: None)
+    out = tmp_path / "run"
+    assert runner.invoke(app, ["run", _config(tmp_path), "--out", str(out)]).exit_code == 0
+    assert (out / ".ftis-run").is_file()
+    (out / "metrics.jsonl").write_text("{}\n")
+    res = runner.invoke(app, ["run", _config(tmp_path), "--out", str(out), "--overwrite"])
+    assert res.exit_code == 0, res.output
+    assert seen[-1] == [".ftis-lock", ".ftis-run", "config.yaml"]  # the old rows are gone
+
+
+def test_a_second_run_on_a_locked_directory_is_refused(tmp_path, monkeypatch):
+    from ftis import rundir
+
+    out = tmp_path / "run"
+    rundir.mark(out)
+    (out / "config.yaml").write_text(yaml.safe_dump(tiny_run_config()))
+    monkeypatch.setattr("ftis.cli._resumable_config", lambda d, o: None)
+    with rundir.locked(out):  # a run in progress (flock: per open file, so also in-process)
+        for args in (["--resume", str(out)], [_config(tmp_path), "--out", str(out), "--overwrite"]):
+            res = runner.invoke(app, ["run", *args])
+            assert res.exit_code == 2, res.output
+            assert "in use by another ftis run" in res.output, res.output
+    assert (out / "config.yaml").is_file()
+
+
+def test_a_stop_before_any_checkpoint_says_there_is_nothing_to_resume(tmp_path, monkeypatch):
+    """SIGTERM during the warm start: the launcher raises KeyboardInterrupt before any node
+    checkpointed; the message must not offer a --resume that would be refused."""
+    import ftis.launch
+
+    def stopped(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ftis.launch, "run_local", stopped)
+    out = tmp_path / "run"
+    res = runner.invoke(app, ["run", _config(tmp_path), "--out", str(out)])
+    assert res.exit_code == 130, res.output
+    assert "nothing to resume" in res.output and "--overwrite" in res.output
+    assert "--resume" not in res.output
+    res = runner.invoke(app, ["run", "--resume", str(out)])
+    assert res.exit_code == 2 and "has no checkpoints" in res.output

@@ -136,3 +136,14 @@ def test_switching_the_algorithm_kind_drops_the_other_kinds_fields():
         )
     with pytest.raises(ConfigError, match="topology"):  # no kind override: nothing is dropped
         load_config(root / "configs/gossip-dpo.yaml", ["algorithm.topology=moon"])
+
+
+@pytest.mark.parametrize("name", ["/some/dir", "../../x", "..", ".", "a/b", "a\\b", "", " x"])
+def test_a_run_name_is_one_path_component(name):
+    with pytest.raises(ConfigError, match=r"(?s)name:.*one folder name"):
+        load_config(None, [f"name={name!r}"])
+
+
+def test_ordinary_run_names_are_accepted():
+    for name in ("ftis", "paper-grid.seed_1", "run 2"):
+        assert load_config(None, [f"name={name!r}"]).name == name

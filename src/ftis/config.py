@@ -262,6 +262,23 @@ class TestingConfig(_Strict):
     )
 
 
+def check_run_name(name: str) -> str:
+    """A run name is one path component (it names the folder runs/<name>): not empty, no '/' or
+    '\\', not '.' or '..', no NUL. A ValueError saying so otherwise."""
+    bad = (
+        not name.strip()
+        or name in (".", "..")
+        or any(c in name for c in "/\\\0")
+        or name != name.strip()
+    )
+    if bad:
+        raise ValueError(
+            f"run name {name!r} must be one folder name (no '/', '\\', '..', leading or "
+            "trailing spaces, not empty): it names runs/<name>. Use --out DIR to write elsewhere"
+        )
+    return name
+
+
 def _algorithm_config(value: Any) -> AlgorithmConfig:
     """The registered config class of `value['kind']` (default 'ftis'), validated."""
     if isinstance(value, AlgorithmConfig):
@@ -296,6 +313,11 @@ class RunConfig(_Strict):
     testing: TestingConfig = Field(default_factory=TestingConfig)
 
     _algorithm = field_validator("algorithm", mode="before")(_algorithm_config)
+
+    @field_validator("name")
+    @classmethod
+    def _one_path_component(cls, v: str) -> str:
+        return check_run_name(v)
 
     @model_validator(mode="after")
     def _unique_names(self) -> RunConfig:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ftis import rundir
 from ftis.config import RunConfig
 from ftis.study.spec import RunSpec, Study
 from ftis.train.metrics import read_metrics
@@ -73,8 +73,10 @@ def execute_run(run: RunSpec, run_dir: Path, *, console: Console | None = None) 
     from ftis.launch import run_local
 
     if run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
+        if (run_dir / RUN_META).is_file() and not rundir.is_ftis_run_dir(run_dir):
+            rundir.mark(run_dir)  # a study run written before the marker existed
+        rundir.clear(run_dir)  # only a directory ftis created (RunDirError otherwise)
+    rundir.mark(run_dir)
     cfg = run.config.model_copy(
         update={"log": run.config.log.model_copy(update={"progress": False})}
     )
