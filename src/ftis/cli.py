@@ -126,7 +126,7 @@ def _run_in(cfg, run_dir: Path, *, resume: bool) -> None:
 
     from ftis.launch import run_local
     from ftis.launch.multi import LaunchError, NodesLostError
-    from ftis.train.loop import SimulatedCrash
+    from ftis.train.loop import NoTrainingSignal, SimulatedCrash
 
     try:
         run_local(cfg, run_dir, console=console, resume=resume)
@@ -139,6 +139,8 @@ def _run_in(cfg, run_dir: Path, *, resume: bool) -> None:
         )
     except (ModelLoadError, TaskDataError, ConfigError, CheckpointError, LaunchError) as e:
         _fail(str(e))
+    except NoTrainingSignal as e:
+        _fail(str(e), 1)
     except SimulatedCrash as e:
         _fail(f"node crashed on purpose ({e}); continue with: ftis run --resume {run_dir}", 1)
     except KeyboardInterrupt:

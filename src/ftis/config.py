@@ -162,6 +162,13 @@ class TrainConfig(_Strict):
         "seed and step) and split into this many mini-batches; 1 = one step on the whole batch.",
     )
     seed: int = Field(0, description="Seed of prompt order and sampling.")
+    max_steps_without_signal: int = Field(
+        20,
+        ge=0,
+        description="Stop a node (after a checkpoint, with an error) that has had no usable "
+        "group, hence no optimizer step, for this many consecutive steps (every group had a "
+        "single completion or equal rewards); 0 = never stop.",
+    )
 
 
 class EvalConfig(_Strict):
