@@ -100,8 +100,13 @@ def run(
         except ConfigError as e:
             _fail(str(e))
         run_dir = out or Path("runs") / cfg.name
+    from ftis.preflight import check_run
     from ftis.rundir import RunDirError, claim
 
+    try:
+        check_run(cfg)  # before the run directory is touched or any worker starts
+    except ConfigError as e:
+        _fail(str(e))
     try:
         with claim(run_dir, overwrite=overwrite, resume=resume is not None):
             _run_in(cfg, run_dir, resume=resume is not None)
