@@ -274,3 +274,22 @@ def test_a_bad_model_path_is_refused_by_the_launcher_before_any_worker(tmp_path,
             ],
         )
         _one_clean_line(res, "nodes.0.model.path", why)
+
+
+def test_an_algorithms_missing_package_names_the_extra_before_the_run(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    missing = {"flwr", "hivemind"}
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name)
+    )
+    for sets, extra in (
+        (["algorithm.kind=fgrpo"], "ftis[federated]"),
+        (["algorithm.kind=swarm", "algorithm.backend=hivemind"], "ftis[swarm]"),
+    ):
+        out = tmp_path / extra
+        args = [a for s in sets for a in ("--set", s)]
+        res = runner.invoke(app, ["run", _config(tmp_path), *args, "--out", str(out)])
+        _one_clean_line(res, f"pip install '{extra}'", "algorithm.kind")
+        assert not out.exists()

@@ -5,8 +5,9 @@ run starts").
 - every node's `model.path`: a local directory holding a `config.json`, or a Hugging Face Hub
   id (`name` or `org/name`) whose `config.json` is in the local Hugging Face cache. Nothing is
   downloaded here: a Hub id that is not cached is an error saying how to get it there.
-- optional features: `log.tensorboard` needs the tensorboard package; the error names the
-  extra to install.
+- optional features: `log.tensorboard` needs the tensorboard package, some algorithms a package
+  of their own (`AlgorithmConfig.required_packages`: Flower for fgrpo and fed-dpo, hivemind for
+  the swarm's hivemind backend); the error names the extra to install.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def check_run(cfg: RunConfig) -> None:
             check_model_path(node.model.path, field=f"nodes.{i}.model.path")
     if cfg.log.tensorboard:
         require("tensorboard", extra="tensorboard", feature="log.tensorboard: true")
+    for module, extra in cfg.algorithm.required_packages():
+        require(module, extra=extra, feature=f"algorithm.kind: {cfg.algorithm.kind}")
 
 
 def require(module: str, *, extra: str, feature: str) -> None:
