@@ -178,7 +178,10 @@ def _stopped_message(cfg, run_dir: Path) -> str:
         if missing
         else ""
     )
-    return f"interrupted; checkpoints: {have}{tail}. Continue with: ftis run --resume {run_dir}"
+    return (
+        f"interrupted; the nodes wrote checkpoints ({have}){tail}. Continue with: "
+        f"ftis run --resume {run_dir}"
+    )
 
 
 def _resumable_config(run_dir: Path, overrides: list[str]):

@@ -36,7 +36,8 @@ def check_not_a_file(run_dir: Path) -> None:
     for p in (run_dir, *run_dir.parents):
         if p.exists() and not p.is_dir():
             raise RunDirError(
-                f"--out {run_dir}: {p} is a file, not a directory; choose another --out"
+                f"cannot write the run directory {run_dir}: {p} is a file, not a directory; "
+                "choose another --out"
             )
 
 
@@ -95,6 +96,12 @@ def claim(run_dir: Path, *, overwrite: bool = False, resume: bool = False) -> It
     Otherwise (a new run): the directory must be absent or empty, or (overwrite) be one ftis
     created, whose contents are removed under the lock. It is created and marked."""
     check_not_a_file(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunDirError(
+            f"cannot write the run directory {run_dir}: {e.strerror or e}; choose another --out"
+        ) from None
     if resume:
         with locked(run_dir):
             yield

@@ -73,8 +73,9 @@ def execute_run(run: RunSpec, run_dir: Path, *, console: Console | None = None) 
     from ftis.launch import run_local
 
     if run_dir.exists():
-        if (run_dir / RUN_META).is_file() and not rundir.is_ftis_run_dir(run_dir):
-            rundir.mark(run_dir)  # a study run written before the marker existed
+        written = any((run_dir / f).is_file() for f in (RUN_META, "config.yaml", "metrics.jsonl"))
+        if written and not rundir.is_ftis_run_dir(run_dir):
+            rundir.mark(run_dir)  # a run of this study written before the marker existed
         rundir.clear(run_dir)  # only a directory ftis created (RunDirError otherwise)
     rundir.mark(run_dir)
     cfg = run.config.model_copy(
