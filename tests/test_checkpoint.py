@@ -174,6 +174,27 @@ def test_a_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
         ckpt_mod.load_checkpoint(tiny_node(), bad.parent.parent)
 
 
+def test_pruning_after_a_fallback_resume_keeps_the_checkpoint_resumed_from(tmp_path):
+    """Issue 22: steps 10 (good) and 20 (damaged) exist; the run resumes from 10 and saves 15
+    with keep=1. The damaged 20 must not count: 15 stays (and 10 goes as the older one); with
+    keep=2 both 10 and 15 stay. Before the fix the newest directory names were kept, 20 among
+    them, so the one just written (keep=1) or the one resumed from (keep=2) was deleted."""
+    node = tiny_node()
+    ckpt_mod.save_checkpoint(node, tmp_path, 10, keep=2)
+    _flip_bytes(_weights_file(ckpt_mod.save_checkpoint(node, tmp_path, 20, keep=2)))
+    assert ckpt_mod.checkpoint_step(tmp_path) == 10  # the fallback a resume takes
+    ckpt_mod.save_checkpoint(node, tmp_path, 15, keep=2)
+    names = sorted(p.name for p in tmp_path.glob("step-*"))
+    assert names == ["step-000010", "step-000015", "step-000020"]
+    ckpt_mod.save_checkpoint(node, tmp_path, 16, keep=1)
+    names = sorted(p.name for p in tmp_path.glob("step-*"))
+    assert names == ["step-000016", "step-000020"]
+    assert ckpt_mod.checkpoint_step(tmp_path) == 16
+    ckpt_mod.save_checkpoint(node, tmp_path, 20, keep=1)  # reaching its step replaces it
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000020"]
+    assert ckpt_mod.checkpoint_step(tmp_path) == 20
+
+
 def test_when_no_checkpoint_verifies_the_error_names_every_bad_file(tmp_path):
     node = tiny_node()
     first = _weights_file(ckpt_mod.save_checkpoint(node, tmp_path, 1, keep=2))

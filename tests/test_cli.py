@@ -135,3 +135,182 @@ def test_missing_data_file_is_a_clean_error(tmp_path):
     assert res.exit_code == 2, res.output
     assert "none.jsonl" in res.output and "train_file" in res.output
     assert "Traceback" not in res.output
+
+
+# ---- the run directory (issue 22, item 5) ------------------------------------------------------
+
+
+def _victim(tmp_path):
+    """A directory that ftis did not create, holding a file someone cares about."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "thesis.tex").write_text("years of work")
+    return victim
+
+
+def test_overwrite_refuses_a_directory_ftis_did_not_create(tmp_path):
+    victim = _victim(tmp_path)
+    res = runner.invoke(app, ["run", _config(tmp_path), "--out", str(victim), "--overwrite"])
+    assert res.exit_code == 2, res.output
+    assert "not created by ftis" in res.output and "Traceback" not in res.output
+    assert (victim / "thesis.tex").read_text() == "years of work"
+
+
+def test_a_run_name_that_is_a_path_is_refused_before_anything_is_touched(tmp_path, monkeypatch):
+    victim = _victim(tmp_path)
+    monkeypatch.chdir(tmp_path / "victim")
+    for name in (str(victim), "../victim", "..", "a/b", ""):
+        res = runner.invoke(
+            app, ["run", _config(tmp_path), "--set", f"name={name!r}", "--overwrite"]
+        )
+        assert res.exit_code == 2, (name, res.output)
+        assert "name" in res.output and "one folder name" in res.output, res.output
+    assert sorted(p.name for p in victim.iterdir()) == ["thesis.tex"]
+
+
+def test_overwrite_replaces_a_run_directory_ftis_created(tmp_path, monkeypatch):
+    import ftis.launch
+
+    seen = []
+    monkeypatch.setattr(
+        ftis.launch,
+        "run_local",
+        lambda cfg, d, **kw: seen.append(sorted(p.name for p in d.iterdir())),
+    )
+    monkeypatch.setattr("ftis.cli._finish", lambda d: None)
+    out = tmp_path / "run"
+    assert runner.invoke(app, ["run", _config(tmp_path), "--out", str(out)]).exit_code == 0
+    assert (out / ".ftis-run").is_file()
+    (out / "metrics.jsonl").write_text("{}\n")
+    res = runner.invoke(app, ["run", _config(tmp_path), "--out", str(out), "--overwrite"])
+    assert res.exit_code == 0, res.output
+    assert seen[-1] == [".ftis-lock", ".ftis-run", "config.yaml"]  # the old rows are gone
+
+
+def test_a_second_run_on_a_locked_directory_is_refused(tmp_path, monkeypatch):
+    from ftis import rundir
+
+    out = tmp_path / "run"
+    rundir.mark(out)
+    (out / "config.yaml").write_text(yaml.safe_dump(tiny_run_config()))
+    from ftis.config import RunConfig
+
+    cfg = RunConfig.model_validate(tiny_run_config())
+    monkeypatch.setattr("ftis.cli._resumable_config", lambda d, o: cfg)
+    with rundir.locked(out):  # a run in progress (flock: per open file, so also in-process)
+        for args in (["--resume", str(out)], [_config(tmp_path), "--out", str(out), "--overwrite"]):
+            res = runner.invoke(app, ["run", *args])
+            assert res.exit_code == 2, res.output
+            assert "in use by another ftis run" in res.output, res.output
+    assert (out / "config.yaml").is_file()
+
+
+def test_a_stop_before_any_checkpoint_says_there_is_nothing_to_resume(tmp_path, monkeypatch):
+    """SIGTERM during the warm start: the launcher raises KeyboardInterrupt before any node
+    checkpointed; the message must not offer a --resume that would be refused."""
+    import ftis.launch
+
+    def stopped(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ftis.launch, "run_local", stopped)
+    out = tmp_path / "run"
+    res = runner.invoke(app, ["run", _config(tmp_path), "--out", str(out)])
+    assert res.exit_code == 130, res.output
+    assert "nothing to resume" in res.output and "--overwrite" in res.output
+    assert "--resume" not in res.output
+    res = runner.invoke(app, ["run", "--resume", str(out)])
+    assert res.exit_code == 2 and "has no checkpoints" in res.output
+
+
+# ---- every user error is one clear line (issue 22, item 6) -------------------------------------
+
+
+def _one_clean_line(res, *needles):
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output and "error:" in res.output, res.output
+    for n in needles:
+        assert n in res.output, (n, res.output)
+
+
+def test_out_naming_an_existing_file(tmp_path):
+    f = tmp_path / "notes.txt"
+    f.write_text("keep me")
+    res = runner.invoke(app, ["run", _config(tmp_path), "--out", str(f)])
+    _one_clean_line(res, "is a file")
+    res = runner.invoke(app, ["run", _config(tmp_path), "--out", str(f / "sub")])
+    _one_clean_line(res, "is a file")
+    assert f.read_text() == "keep me"
+
+
+def test_a_config_path_that_is_a_directory_or_not_utf8(tmp_path):
+    _one_clean_line(runner.invoke(app, ["run", str(tmp_path)]), "is a directory")
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"name: caf\xe9\n")
+    _one_clean_line(runner.invoke(app, ["run", str(bad)]), "not UTF-8", "save it as UTF-8")
+
+
+def test_tensorboard_without_the_package_fails_before_the_run(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name)
+    )
+    out = tmp_path / "r"
+    res = runner.invoke(
+        app, ["run", _config(tmp_path), "--set", "log.tensorboard=true", "--out", str(out)]
+    )
+    _one_clean_line(res, "log.tensorboard", "pip install 'ftis[tensorboard]'")
+    assert not out.exists()  # refused before the run directory, the model or any worker
+
+
+def test_a_bad_model_path_is_refused_by_the_launcher_before_any_worker(tmp_path, monkeypatch):
+    import ftis.launch.multi
+
+    def no_workers(*a, **k):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(ftis.launch.multi, "run_multi", no_workers)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = {
+        "ftis-tests/no-such-model": "not in the local Hugging Face cache",
+        str(empty): "has no config.json",
+        "a/b/c": "does not exist as a local directory",
+        "bad repo id!": "not a Hugging Face Hub id",
+    }
+    for path, why in cases.items():
+        res = runner.invoke(
+            app,
+            [
+                "run",
+                _config(tmp_path),
+                "--set",
+                f"nodes.0.model={{path: '{path}'}}",
+                "--set",
+                "nodes.0.warm_start=null",
+                "--out",
+                str(tmp_path / "r"),
+            ],
+        )
+        _one_clean_line(res, "nodes.0.model.path", why)
+
+
+def test_an_algorithms_missing_package_names_the_extra_before_the_run(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    missing = {"flwr", "hivemind"}
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name)
+    )
+    for sets, extra in (
+        (["algorithm.kind=fgrpo"], "ftis[federated]"),
+        (["algorithm.kind=swarm", "algorithm.backend=hivemind"], "ftis[swarm]"),
+    ):
+        out = tmp_path / extra
+        args = [a for s in sets for a in ("--set", s)]
+        res = runner.invoke(app, ["run", _config(tmp_path), *args, "--out", str(out)])
+        _one_clean_line(res, f"pip install '{extra}'", "algorithm.kind")
+        assert not out.exists()

@@ -39,7 +39,7 @@ def test_overrides_parse_yaml_values_and_list_indices():
         ("nodes.0.loss.method=ppo", "nodes.0.loss.method", "choose one of: nois, vis, tis, f-nois"),
         ("train.group_size=1", "train.group_size", "greater than or equal to 2"),
         ("nodes.0.model.preset=llama-huge", "nodes.0.model", "unknown preset 'llama-huge'"),
-        ("train.stepz=3", "train.stepz", "Extra inputs are not permitted"),
+        ("train.stepz=3", "train.stepz", "did you mean train.steps?"),
         ("nodes.0.name=a/b", "nodes.0.name", "must be 1-64 letters"),
         ("eval.pass_k=[16]", "eval", "between 1 and eval.pass_samples"),
         # checked when the config is read, not after every node's warm start
@@ -136,3 +136,39 @@ def test_switching_the_algorithm_kind_drops_the_other_kinds_fields():
         )
     with pytest.raises(ConfigError, match="topology"):  # no kind override: nothing is dropped
         load_config(root / "configs/gossip-dpo.yaml", ["algorithm.topology=moon"])
+
+
+@pytest.mark.parametrize("name", ["/some/dir", "../../x", "..", ".", "a/b", "a\\b", "", " x"])
+def test_a_run_name_is_one_path_component(name):
+    with pytest.raises(ConfigError, match=r"(?s)name:.*one folder name"):
+        load_config(None, [f"name={name!r}"])
+
+
+def test_ordinary_run_names_are_accepted():
+    for name in ("ftis", "paper-grid.seed_1", "run 2"):
+        assert load_config(None, [f"name={name!r}"]).name == name
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.step=3", "unknown field 'train.step': did you mean train.steps?"),
+        ("eval.evry=2", "unknown field 'eval.evry': did you mean eval.every?"),
+        ("nodes.0.model.pth=x", "did you mean nodes.0.model.path?"),
+        ("task.max_digit=2", "did you mean task.max_digits?"),
+        ("algorithm.kindd=ftis", "did you mean algorithm.kind?"),
+        ("zzz=1", "unknown field 'zzz'; valid fields here: algorithm, checkpoint"),
+    ],
+)
+def test_a_misspelt_key_suggests_the_nearest_valid_one(override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert expected in str(err.value)
+
+
+def test_config_files_that_are_not_yaml_text(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
+    (tmp_path / "latin1.yaml").write_bytes(b"name: caf\xe9\n")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_config(tmp_path / "latin1.yaml")

@@ -217,8 +217,13 @@ def test_a_nan_log_prob_on_the_wire_is_a_payload_error():
 def test_nan_logits_skip_the_update_and_are_counted(tmp_path, monkeypatch):
     """The node's own model produces NaN logits in the update of step 2 (a forward hook): the
     update is skipped and counted, the weights stay finite, and step 3 trains normally."""
-    from ftis.train import loop
+    from ftis.train import loop, scoring
 
+    # Rewards 0, 1, 0, 1...: every group has a signal, so every round runs an update (a round
+    # without one takes no optimizer step at all, issue 22).
+    monkeypatch.setattr(
+        scoring, "score", lambda task, tok, batch: torch.arange(batch.num_sequences) % 2.0
+    )
     poisoned = {"on": False}
     real_build = loop.build_node
 

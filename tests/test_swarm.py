@@ -116,6 +116,44 @@ def test_a_late_joiner_starts_at_the_swarms_current_round():
     assert b.join_step(0) == 0  # nobody live: start from scratch
 
 
+def test_hostile_heartbeats_are_rejected_and_counted_not_fatal():
+    """Issue 22: `["live", "abc"]` under the members key killed every peer (int("abc")), and
+    `["live", 10**12]` made a late joiner join at round 10**12 and the others wait for it. Now
+    each malformed or out-of-bounds record is dropped and counted once per round."""
+    board = MemoryBoard()
+    a, b = _transport(board, 0, deadline_s=0.5, max_round=50), _transport(board, 1)
+    a.ready()
+    a._heartbeat("live", 7)
+    exp = board.now() + 60
+    hostile = {
+        2: ["live", "abc"],
+        3: ["live", 10**12],
+        4: ["live", -1],
+        5: {"live": 1},
+        6: ["live", True],
+        "x": ["live", 7],
+        7: b"\x00" * 3,
+    }
+    for peer, value in hostile.items():
+        board.publish("swarm:members", peer, value, exp)
+    # b (no max_round): 10**12 is too far from the swarm's round (7, the lower median)
+    assert b.members() == {0: 7} and b.rejected_records == len(hostile)
+    assert b.join_step(0) == 6  # joins at round 7, not 10**12
+    assert b.rejected_records == len(hostile)  # the same records are not counted twice
+    b.exchange(7, b"b", max_bytes=10)
+    out = a.exchange(7, b"a", max_bytes=10)
+    # a did not wait for the forged peers 2-7: it got b's payload and was not timed out
+    assert out == {1: b"b"} and not a.last.timed_out
+    assert a.last.rejected == len(hostile) and a.rejected_records == len(hostile)
+    # Once a peer exchanges, its own round is the reference: a claim 101 rounds away is refused
+    board.publish("swarm:members", 3, ["live", 7 + 101], exp)
+    assert 3 not in b.members()
+    board.publish("swarm:members", 3, ["live", 7 + 100], exp)
+    assert b.members()[3] == 107
+    # beyond the run's last round + 1 (max_round=50): no honest peer can be there
+    assert 3 not in a.members()
+
+
 def test_the_initial_peers_wait_for_each_other_at_the_start_barrier():
     """An initial peer slow to start (model build, warm start, DHT start-up under load) is
     waited for before round 1, not taken for a late joiner."""

@@ -382,3 +382,78 @@ def test_peak_rss_is_this_process_own_high_water_mark():
         pytest.skip("no /proc on this platform")
     hwm = next(int(x.split()[1]) for x in status.read_text().splitlines() if x.startswith("VmHWM"))
     assert abs(peak_rss_mb() - hwm / 1024) < 64  # read a moment apart
+
+
+# ---- no training without signal (issue 22, item 4) ---------------------------------------------
+
+
+def test_a_round_without_a_usable_group_takes_no_optimizer_step():
+    """All advantages 0 (every group skipped or all rewards equal): the weights and the
+    optimizer's state stay exactly as they were, and the metrics say no step was taken. Before,
+    Adam stepped on the zero gradient and its momentum moved the weights."""
+    from ftis.config import TrainConfig
+
+    node = _node("f-tis")
+    batch = _batch(node)
+    # Give Adam momentum first, so a zero-gradient step would move the weights.
+    update_mod.update(
+        node,
+        TASK,
+        batch,
+        torch.linspace(-1, 1, batch.num_sequences),
+        loss_cfg=node.cfg.loss,
+        micro_batch_size=0,
+    )
+    before = [p.detach().clone() for p in node.model.parameters()]
+    adam_step = [s["step"].clone() for s in node.optimizer.state.values()]
+    out, skipped = update_mod.train_on_round(
+        node, TASK, batch, torch.zeros(batch.num_sequences), train=TrainConfig(), step=2
+    )
+    assert (out["train/optimizer_steps"], out["train/no_signal"], skipped) == (0.0, 1.0, 0)
+    for a, b in zip(before, node.model.parameters()):
+        assert torch.equal(a, b)
+    assert [s["step"] for s in node.optimizer.state.values()] == adam_step
+    out, _ = update_mod.train_on_round(
+        node, TASK, batch, torch.linspace(-1, 1, batch.num_sequences), train=TrainConfig(), step=3
+    )
+    assert (out["train/optimizer_steps"], out["train/no_signal"]) == (1.0, 0.0)
+
+
+def test_a_node_without_signal_stops_after_the_configured_number_of_steps(tmp_path, monkeypatch):
+    """Every reward equal (as when a lost peer leaves one completion per group): steps 1-3 take
+    no optimizer step, each row says so with the running streak, and at
+    train.max_steps_without_signal = 3 the node checkpoints step 3 and stops with a clear error
+    instead of running its 5 steps (and exiting 0) without a training signal."""
+    import json
+
+    from ftis.config import RunConfig
+    from ftis.train import loop
+    from ftis.train.checkpoint import checkpoint_step
+    from tests.conftest import tiny_run_config
+
+    monkeypatch.setattr(scoring, "score", lambda task, tok, batch: torch.zeros(batch.num_sequences))
+    seen = {}
+    real_build = loop.build_node
+
+    def build(*a, **k):
+        seen["node"] = node = real_build(*a, **k)
+        seen["start"] = [p.detach().clone() for p in node.model.parameters()]
+        return node
+
+    monkeypatch.setattr(loop, "build_node", build)
+    cfg = RunConfig.model_validate(tiny_run_config(steps=5, max_steps_without_signal=3))
+    with pytest.raises(loop.NoTrainingSignal, match=r"no usable group for 3 consecutive steps"):
+        loop.train_node(cfg, rank=0, run_dir=tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["train/no_signal"] for r in steps] == [1.0, 1.0, 1.0]
+    assert [r["train/no_signal_streak"] for r in steps] == [1.0, 2.0, 3.0]
+    assert all(r["train/optimizer_steps"] == 0.0 for r in steps)
+    assert all("loss/filtered_frac" in r and "loss/grad_norm" in r for r in steps)  # same keys
+    for a, b in zip(seen["start"], seen["node"].model.parameters()):
+        assert torch.equal(a, b)
+    assert checkpoint_step(tmp_path / "nodes" / "xs") == 3
+    # 0 = never stop: the same run goes to its end.
+    cfg = RunConfig.model_validate(tiny_run_config(steps=4, max_steps_without_signal=0))
+    loop.train_node(cfg, rank=0, run_dir=tmp_path / "on")

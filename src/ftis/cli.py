@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import shutil
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -82,8 +81,6 @@ def run(
     Ctrl-C stops after a checkpoint; --resume RUN_DIR continues from there."""
     _setup_logging(verbose)
     from ftis.config import ConfigError, load_config
-    from ftis.models.loading import ModelLoadError
-    from ftis.tasks import TaskDataError
     from ftis.train.checkpoint import CheckpointError
 
     if resume is not None:
@@ -103,29 +100,41 @@ def run(
         except ConfigError as e:
             _fail(str(e))
         run_dir = out or Path("runs") / cfg.name
-        if run_dir.exists() and any(run_dir.iterdir()):
-            if not overwrite:
-                _fail(
-                    f"run directory {run_dir} already exists and is not empty; pass --overwrite "
-                    f"to replace it, --out DIR to write elsewhere, or --resume {run_dir} to "
-                    "continue it"
-                )
-            shutil.rmtree(run_dir)
+    from ftis.preflight import check_run
+    from ftis.rundir import RunDirError, claim
+
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        check_run(cfg)  # before the run directory is touched or any worker starts
+    except ConfigError as e:
+        _fail(str(e))
+    try:
+        with claim(run_dir, overwrite=overwrite, resume=resume is not None):
+            _run_in(cfg, run_dir, resume=resume is not None)
+    except RunDirError as e:
+        _fail(str(e))
+
+
+def _run_in(cfg, run_dir: Path, *, resume: bool) -> None:
+    """Write config.yaml into the claimed `run_dir`, run, report; errors end in `_fail`."""
+    from ftis.config import ConfigError
+    from ftis.models.loading import ModelLoadError
+    from ftis.tasks import TaskDataError
+    from ftis.train.checkpoint import CheckpointError
+
+    try:
         (run_dir / "config.yaml").write_text(
             yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
         )
     except OSError as e:
-        hint = "" if resume is not None else "; choose another --out"
+        hint = "" if resume else "; choose another --out"
         _fail(f"cannot write the run directory {run_dir}: {e.strerror or e}{hint}")
 
     from ftis.launch import run_local
     from ftis.launch.multi import LaunchError, NodesLostError
-    from ftis.train.loop import SimulatedCrash
+    from ftis.train.loop import NoTrainingSignal, SimulatedCrash
 
     try:
-        run_local(cfg, run_dir, console=console, resume=resume is not None)
+        run_local(cfg, run_dir, console=console, resume=resume)
     except NodesLostError as e:  # the others finished: report them, then fail
         _finish(run_dir)
         _fail(
@@ -135,11 +144,44 @@ def run(
         )
     except (ModelLoadError, TaskDataError, ConfigError, CheckpointError, LaunchError) as e:
         _fail(str(e))
+    except NoTrainingSignal as e:
+        _fail(str(e), 1)
     except SimulatedCrash as e:
         _fail(f"node crashed on purpose ({e}); continue with: ftis run --resume {run_dir}", 1)
     except KeyboardInterrupt:
-        _fail(f"interrupted; the nodes wrote checkpoints: ftis run --resume {run_dir}", 130)
+        _fail(_stopped_message(cfg, run_dir), 130)
     _finish(run_dir)
+
+
+def _stopped_message(cfg, run_dir: Path) -> str:
+    """What a stopped run can resume: every node with a checkpoint continues from it; a node
+    stopped before its first one (during its warm start, say) starts again from step 0. A run
+    with no checkpoint at all cannot be resumed, but finished warm starts are cached."""
+    from ftis.train.checkpoint import CheckpointError, checkpoint_step
+
+    steps: dict[str, int | None] = {}
+    for n in cfg.nodes:
+        try:
+            steps[n.name] = checkpoint_step(run_dir / "nodes" / n.name)
+        except CheckpointError:
+            steps[n.name] = None
+    if all(s is None for s in steps.values()):
+        return (
+            f"interrupted before any node wrote a checkpoint (during setup or the warm start): "
+            f"there is nothing to resume in {run_dir}. Start the run again with --overwrite; "
+            "warm starts that finished are cached and are not redone"
+        )
+    missing = [n for n, s in steps.items() if s is None]
+    have = ", ".join(f"{n} at step {s}" for n, s in steps.items() if s is not None)
+    tail = (
+        f"; {', '.join(missing)} stopped before a checkpoint and will start from step 0"
+        if missing
+        else ""
+    )
+    return (
+        f"interrupted; the nodes wrote checkpoints ({have}){tail}. Continue with: "
+        f"ftis run --resume {run_dir}"
+    )
 
 
 def _resumable_config(run_dir: Path, overrides: list[str]):

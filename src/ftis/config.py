@@ -6,8 +6,10 @@ Configs are validated once here and never passed into `ftis.core` math.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -207,6 +209,13 @@ class TrainConfig(_Strict):
         "seed and step) and split into this many mini-batches; 1 = one step on the whole batch.",
     )
     seed: int = Field(0, description="Seed of prompt order and sampling.")
+    max_steps_without_signal: int = Field(
+        20,
+        ge=0,
+        description="Stop a node (after a checkpoint, with an error) that has had no usable "
+        "group, hence no optimizer step, for this many consecutive steps (every group had a "
+        "single completion or equal rewards); 0 = never stop.",
+    )
 
 
 class EvalConfig(_Strict):
@@ -309,6 +318,23 @@ class TestingConfig(_Strict):
     )
 
 
+def check_run_name(name: str) -> str:
+    """A run name is one path component (it names the folder runs/<name>): not empty, no '/' or
+    '\\', not '.' or '..', no NUL. A ValueError saying so otherwise."""
+    bad = (
+        not name.strip()
+        or name in (".", "..")
+        or any(c in name for c in "/\\\0")
+        or name != name.strip()
+    )
+    if bad:
+        raise ValueError(
+            f"run name {name!r} must be one folder name (no '/', '\\', '..', leading or "
+            "trailing spaces, not empty): it names runs/<name>. Use --out DIR to write elsewhere"
+        )
+    return name
+
+
 def _algorithm_config(value: Any) -> AlgorithmConfig:
     """The registered config class of `value['kind']` (default 'ftis'), validated."""
     if isinstance(value, AlgorithmConfig):
@@ -321,7 +347,11 @@ def _algorithm_config(value: Any) -> AlgorithmConfig:
     try:
         return spec.config.model_validate({**value, "kind": kind})
     except ValidationError as e:
-        raise ValueError(format_validation_error(e, header="", indent="", sep="; ")) from None
+        raise ValueError(
+            format_validation_error(
+                e, header="", indent="", sep="; ", model=spec.config, prefix="algorithm."
+            )
+        ) from None
 
 
 class RunConfig(_Strict):
@@ -343,6 +373,11 @@ class RunConfig(_Strict):
     testing: TestingConfig = Field(default_factory=TestingConfig)
 
     _algorithm = field_validator("algorithm", mode="before")(_algorithm_config)
+
+    @field_validator("name")
+    @classmethod
+    def _one_path_component(cls, v: str) -> str:
+        return check_run_name(v)
 
     @model_validator(mode="after")
     def _unique_names(self) -> RunConfig:
@@ -408,17 +443,75 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def format_validation_error(
-    err: ValidationError, *, header: str = "invalid config:\n", indent: str = "  ", sep="\n"
+    err: ValidationError,
+    *,
+    header: str = "invalid config:\n",
+    indent: str = "  ",
+    sep="\n",
+    model: type[BaseModel] | None = None,
+    prefix: str = "",
 ) -> str:
-    """One line per problem: `  field.path: what is wrong (got value)`."""
+    """One line per problem: `  field.path: what is wrong (got value)`. An unknown field says
+    which valid field of `model` (default: the model that failed) it is closest to;
+    `prefix` is the dotted path of `model` inside the run config, for those suggestions."""
     lines = []
+    model = model or _model_named(err.title)
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{indent}{_unknown_field(model, e['loc'], prefix)}")
+            continue
         msg = e["msg"].removeprefix("Value error, ")
         got = e.get("input")
         got_txt = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
         lines.append(f"{indent}{loc or '<top level>'}: {msg}{got_txt}")
     return header + sep.join(lines)
+
+
+def _model_named(title: str) -> type[BaseModel] | None:
+    return RunConfig if title == "RunConfig" else None
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation can hold (through Optional, list, dict, unions)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def _kind_of(model: type[BaseModel]) -> Any:
+    field = model.model_fields.get("kind")
+    return None if field is None else field.default
+
+
+def _unknown_field(model: type[BaseModel] | None, loc: tuple, prefix: str) -> str:
+    """`unknown field 'train.step': did you mean train.steps?`, from the fields valid where the
+    unknown one stands (difflib's closest match), or the list of them when none is close."""
+    parts = [p for p in loc if not str(p).startswith("function-")]
+    models = [model] if model is not None else []
+    shown = list(parts)
+    for part in parts[:-1]:
+        if isinstance(part, int) or str(part).isdigit():
+            continue
+        if not any(part in m.model_fields for m in models):  # a tagged union's tag (task kind)
+            models = [m for m in models if _kind_of(m) == part]
+            shown.remove(part)
+            continue
+        models = [
+            sub
+            for m in models
+            if part in m.model_fields
+            for sub in _models_in(m.model_fields[part].annotation)
+        ]
+    dotted = prefix + ".".join(str(p) for p in shown)
+    names = sorted({n for m in models for n in m.model_fields})
+    if not names:
+        return f"unknown field {dotted!r}"
+    where = dotted.rsplit(".", 1)[0] + "." if "." in dotted else ""
+    close = difflib.get_close_matches(str(parts[-1]), names, n=1, cutoff=0.6)
+    if close:
+        return f"unknown field {dotted!r}: did you mean {where}{close[0]}?"
+    return f"unknown field {dotted!r}; valid fields here: {', '.join(names)}"
 
 
 def _drop_other_kinds_fields(data: dict[str, Any], overrides: list[str]) -> None:
@@ -450,8 +543,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     src = Path(path) if path is not None else DEFAULT_CONFIG
     if not src.exists():
         raise ConfigError(f"config file {str(src)!r} does not exist; give a YAML file path")
+    if not src.is_file():
+        raise ConfigError(f"config path {str(src)!r} is a directory; give a YAML file path")
     try:
-        data = yaml.safe_load(src.read_text()) or {}
+        data = yaml.safe_load(src.read_bytes().decode("utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {str(src)!r} is not UTF-8 text (byte {e.start}); save it as UTF-8"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(src)!r} cannot be read: {e.strerror or e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(src)!r} is not valid YAML: {e}") from e
     if not isinstance(data, dict):

@@ -13,7 +13,15 @@ import torch
 import torch.distributed as dist
 
 from ftis.exchange.codec import RolloutCodec, RolloutExchange
-from ftis.exchange.store import Membership, PeerGroupError, StoreTransport, host_store, mark_left
+from ftis.exchange.store import (
+    Membership,
+    PeerGroupError,
+    Signer,
+    StoreTransport,
+    host_store,
+    mark_left,
+    new_secret,
+)
 from ftis.exchange.transport import TransportLost
 from tests.exchange.test_distributed import MAX_TOKENS, VOCAB, flip_a_byte, peer_batch
 
@@ -41,8 +49,8 @@ def store(monkeypatch):
     del server
 
 
-def _group(client, world, timeout_s=0.6, first_steps=None, on_store_lost="stop"):
-    ms = [Membership(client(), r, world, timeout_s=timeout_s) for r in range(world)]
+def _group(client, world, timeout_s=0.6, first_steps=None, on_store_lost="stop", signer=None):
+    ms = [Membership(client(), r, world, timeout_s=timeout_s, signer=signer) for r in range(world)]
     first_steps = first_steps or [0] * world
     exs = []
     for m in ms:
@@ -194,3 +202,72 @@ def test_the_group_forms_whole_or_not_at_all(store):
         m.gather("v0")
     with pytest.raises(PeerGroupError, match=r"ranks \[1\] did not join within 0.3 s"):
         Membership(client("run3"), 0, 2, timeout_s=5).gather("other", timeout_s=0.3)
+
+
+# ---- records in the store are untrusted input (issue 22, item 3) -------------------------------
+
+
+def test_writes_from_outside_the_run_are_ignored_and_counted(store):
+    """Issue 22: a forged `left/1` made rank 0 drop a live peer. With the run's secret, a
+    `left` mark, a payload and a `ready` mark written without it are ignored and counted; the
+    honest payload still arrives."""
+    _, client = store
+    signer = Signer(bytes.fromhex(new_secret()))
+    ms, exs = _group(client, 2, timeout_s=60, signer=signer)
+    _round(exs, 0)
+    outsider = client()  # reaches the port, does not know the secret
+    outsider.set("left/1", "forged: drop rank 1")
+    outsider.set("x/1/1", b"junk in place of rank 1's payload")
+    mark_left(outsider, 1, "forged with another secret", signer=Signer(b"k" * 32))
+    got = {}
+    first = threading.Thread(target=lambda: got.__setitem__(0, exs[0].all_gather(peer_batch(0, 1))))
+    first.start()
+    time.sleep(0.5)  # rank 0 reads the forged values first; rank 1 posts later
+    got[1] = exs[1].all_gather(peer_batch(1, 1))
+    first.join(30)
+    assert not first.is_alive()
+    assert 1 not in ms[0].lost
+    want = peer_batch(1, 1)  # rank 1's authentic payload, after the forged ones
+    assert torch.equal(got[0][1].prompt_index, want.prompt_index)
+    assert ms[0].forged == 2 and exs[0].last_stats.rejected == 0  # left/1 and x/1/1
+    # the launcher's authentic mark still drops a peer at once
+    mark_left(client(), 1, "its process exited with code 9", signer=signer)
+    got = _round(exs, 2, skip=(1,))
+    assert got[0][1] is None and "exited with code 9" in ms[0].lost[1]
+
+
+def test_a_payload_above_the_stores_value_limit_travels_in_chunks(store):
+    """Issue 22: a payload above torch's 8 MiB value limit reset the sender's connection and
+    was reported as a lost store host. It now travels in chunks, authenticated, and a reader
+    does not read more chunks than its max_bytes allows."""
+    _, client = store
+    signer = Signer(bytes.fromhex(new_secret()))
+    ms = [Membership(client(), r, 2, timeout_s=30, signer=signer) for r in range(2)]
+    ts = [StoreTransport(m, first_steps=[0, 0]) for m in ms]
+    for t in ts:
+        t.ready()
+    big = bytes(range(256)) * (9 * 2**20 // 256) + b"tail"  # 9 MiB + 4 bytes
+    out = {}
+
+    def go(r, payload, max_bytes):
+        out[r] = ts[r].exchange(0, payload, max_bytes=max_bytes)
+
+    threads = [
+        threading.Thread(target=go, args=(0, big, 16 * 2**20)),
+        threading.Thread(target=go, args=(1, b"small", 2**20)),  # rank 1 accepts 1 MiB at most
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert out[0][1] == b"small"
+    assert out[1][0] is None and ts[1].stats.oversized == 1  # refused, not a lost host
+    got = {}
+    t = threading.Thread(
+        target=lambda: got.__setitem__(1, ts[1].exchange(1, b"s", max_bytes=2**25))
+    )
+    t.start()
+    got[0] = ts[0].exchange(1, big, max_bytes=2**25)
+    t.join(60)
+    assert got[1][0] == big and got[0][1] == b"s"
+    assert ms[0].forged == ms[1].forged == 0

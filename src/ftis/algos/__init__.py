@@ -49,6 +49,11 @@ class AlgorithmConfig(BaseModel):
     def check_run(self, run: Any) -> None:
         """Cross-field checks against the whole run config; raise ValueError with a fix."""
 
+    def required_packages(self) -> list[tuple[str, str]]:
+        """(module, extra) pairs this configuration needs beyond ftis's own dependencies; the
+        launcher checks them before the run starts and names the extra to install."""
+        return []
+
 
 class FTISConfig(AlgorithmConfig):
     """Sample exchange with F-TIS (docs/math.md): every node samples its share of the step's

@@ -32,7 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ftis.exchange.store import HOSTED_ENV, PeerGroupError, _prefix
+from ftis.exchange.store import HOSTED_ENV, PeerGroupError, Signer, _prefix, read_left
 from ftis.exchange.transport import TransportStats, rank_from_env
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class NeighbourChannel:
         self.rank = rank
         self.world_size = world_size
         self.store = store
+        self._signer = Signer.from_env()  # `left` marks are sealed with the run's secret
         self.first_steps = first_steps
         self.size = size
         self.timeout_s = timeout_s
@@ -133,11 +134,10 @@ class NeighbourChannel:
             if p in self.lost:
                 continue
             try:
-                gone = self.store.check([f"left/{p}"])
+                why = read_left(self.store, p, self._signer)  # None when absent or forged
             except RuntimeError:  # the store is gone: rely on the connections themselves
                 return
-            if gone:
-                why = self.store.get(f"left/{p}").decode(errors="replace")
+            if why is not None:
                 self._drop(p, f"it left ({why})", round_)
 
     def exchange(
@@ -225,14 +225,14 @@ def _handshake(store: dist.Store, rank: int, world: int, value: str, timeout_s: 
     store.set(f"gossip/hello/{rank}", value)
     deadline = time.monotonic() + max(timeout_s, 120.0)
     got: dict[int, str] = {rank: value}
+    signer = Signer.from_env()
     while len(got) < world:
         for p in range(world):
             if p in got:
                 continue
             if store.check([f"gossip/hello/{p}"]):
                 got[p] = store.get(f"gossip/hello/{p}").decode()
-            elif store.check([f"left/{p}"]):
-                why = store.get(f"left/{p}").decode(errors="replace")
+            elif (why := read_left(store, p, signer)) is not None:
                 raise PeerGroupError(f"rank {p} exited before the gossip group formed ({why})")
         if len(got) < world:
             if time.monotonic() > deadline:

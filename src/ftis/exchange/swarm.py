@@ -146,6 +146,20 @@ def unpack(record: Any, *, round_: int, peer: int) -> bytes | str:
     return record[_HEADER.size :]
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _heartbeat_state(v: Any) -> tuple[str, int] | None:
+    """(state, round) of a well-formed heartbeat value, else None."""
+    if not (isinstance(v, list | tuple) and len(v) == 2):
+        return None
+    state, round_ = v
+    if state not in (LIVE, LEFT) or not _is_int(round_) or round_ < 0:
+        return None
+    return state, round_
+
+
 def announce_left(board: Board, name: str, peer: int, *, ttl_s: float) -> bool:
     """Say on `peer`'s behalf that it left swarm `name` (e.g. the launcher, when a peer's
     process died before it could say so): nobody waits for it, at the start barrier or in a
@@ -168,7 +182,13 @@ class SwarmSettings:
         the round's exchange (slow hardware, simulated); beyond the others' deadline, they
         count its payloads as late when they land.
     late_window: how many past rounds are watched for payloads that arrive after this peer left
-        them (counted once each as `late`)."""
+        them (counted once each as `late`).
+    max_round: the run's last round (train.steps), when known: a heartbeat claiming a round
+        beyond max_round + 1 is rejected (no honest peer can be there).
+    max_round_skew: a heartbeat claiming a round further than this from the swarm's own round
+        (this peer's round once it exchanges; before that, the lower median of the claims) is
+        rejected: a forged claim cannot make a joiner skip the run or the others wait for a
+        round nobody is in."""
 
     name: str = "swarm"
     deadline_s: float = 20.0
@@ -179,6 +199,8 @@ class SwarmSettings:
     start_timeout_s: float = 300.0
     publish_delay_s: float = 0.0
     late_window: int = 4
+    max_round: int | None = None
+    max_round_skew: int = 100
 
 
 @dataclass
@@ -193,6 +215,7 @@ class RoundInfo:
     stale: int = 0
     late: int = 0
     timed_out: bool = False
+    rejected: int = 0  # heartbeats refused (malformed, or a round claim out of bounds)
     peers: list[int] = field(default_factory=list)
     published: int | None = None  # peers that sent this round's payload (a simulator knows)
 
@@ -230,6 +253,9 @@ class SwarmTransport:
         self._closed = False
         self.barrier_waited_s: float | None = None  # how long the start barrier took (None: none)
         self.barrier_missing: list[int] = []  # initial peers the barrier gave up on
+        self.rejected_records = 0  # heartbeats refused so far (see `members`)
+        self._round: int | None = None  # the round of this peer's latest exchange
+        self._rejected_seen: set[str] = set()  # bad records counted in the current round
 
     # keys
     def _round_key(self, round_: int) -> str:
@@ -247,13 +273,39 @@ class SwarmTransport:
         )
 
     def members(self) -> dict[int, int]:
-        """Live peers (other than this one) -> the newest round each announced."""
-        out = {}
+        """Live peers (other than this one) -> the newest round each announced.
+
+        Heartbeats are untrusted input: a record is used only if its subkey is a peer id in
+        range and its value is `[state, round]` with state 'live' or 'left' and round an int
+        >= 0 within `max_round + 1` and within `max_round_skew` of the swarm's own round;
+        anything else is dropped and counted (`rejected_records`, `RoundInfo.rejected`)."""
+        claims, bad = {}, set()
         for peer, v in self.board.read(self._members_key).items():
-            ok = isinstance(peer, int) and 0 <= peer < self.world_size and peer != self.rank
-            if ok and isinstance(v, list | tuple) and len(v) == 2 and v[0] == LIVE:
-                out[peer] = int(v[1])
-        return out
+            if _is_int(peer) and peer == self.rank:
+                continue
+            state = _heartbeat_state(v)
+            if not (_is_int(peer) and 0 <= peer < self.world_size) or state is None:
+                bad.add(repr((peer, v))[:200])
+            elif state[0] == LIVE:
+                claims[peer] = state[1]
+        limit = self.settings.max_round
+        if limit is not None:
+            bad |= {repr((p, r)) for p, r in claims.items() if r > limit + 1}
+            claims = {p: r for p, r in claims.items() if r <= limit + 1}
+        if claims:
+            ranked = sorted(claims.values())
+            ref = self._round if self._round is not None else ranked[(len(ranked) - 1) // 2]
+            skew = self.settings.max_round_skew
+            bad |= {repr((p, r)) for p, r in claims.items() if abs(r - ref) > skew}
+            claims = {p: r for p, r in claims.items() if abs(r - ref) <= skew}
+        new = bad - self._rejected_seen  # each bad record counted once per round, not per poll
+        if new:
+            self._rejected_seen |= new
+            self.rejected_records += len(new)
+            log.warning(
+                "peer %d: rejected %d heartbeat record(s): %s", self.rank, len(new), sorted(new)
+            )
+        return claims
 
     def join_step(self, done: int) -> int:
         """The last step this peer should count as done when it (re)joins: its own `done`, or
@@ -314,6 +366,7 @@ class SwarmTransport:
     def exchange(self, round_: int, payload: bytes, *, max_bytes: int) -> dict[int, bytes | None]:
         s = self.settings
         t0, w0 = self.clock.monotonic(), time.perf_counter()
+        self._round, self._rejected_seen = round_, set()
         self._heartbeat(LIVE, round_)
         self._publish(round_, payload)
         self.stats.bytes_sent += len(payload)
@@ -351,6 +404,7 @@ class SwarmTransport:
             else:
                 out[peer] = data
         info.members, info.arrived, info.peers = len(members), len(out), sorted(out)
+        info.rejected = len(self._rejected_seen)
         sent = getattr(self.board, "sent", None)  # only a simulator's board knows
         if sent is not None:
             info.published = len(sent(self._round_key(round_)) - {self.rank})

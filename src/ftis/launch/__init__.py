@@ -54,7 +54,9 @@ def run_local(
     LaunchError) after they wrote everything. An algorithm registered with its own launcher
     (e.g. fgrpo, through Flower's simulation engine) is handed the run instead."""
     from ftis.algos import get_algorithm
+    from ftis.preflight import check_run
 
+    check_run(cfg)  # model paths, optional packages: one clear error before any worker starts
     spec = get_algorithm(cfg.algorithm.kind)
     if spec.launcher is not None:
         return spec.launch(cfg, run_dir, console=console, resume=resume)

@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ftis.config import RunConfig
-from ftis.exchange.store import HOSTED_ENV, host_store, mark_left
+from ftis.exchange.store import HOSTED_ENV, SECRET_ENV, Signer, host_store, mark_left, new_secret
 
 INTERRUPTED = 130
 GRACE_S = 120.0  # how long stopped nodes may take to checkpoint before they are killed
@@ -164,6 +164,10 @@ def run_multi(
     names = cfg.rank_names  # the nodes, then the algorithm's service ranks (e.g. a server)
     world = len(names)
     server, store, port = host_store()
+    # The run's store secret reaches the nodes through their environment, not their command
+    # line (which any local user can read): only they and this launcher can write the store.
+    secret = new_secret()
+    signer = Signer(bytes.fromhex(secret))
     base_env = dict(os.environ)
     base_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
     base_env.update(
@@ -172,7 +176,7 @@ def run_multi(
         LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
-        **{HOSTED_ENV: "1"},
+        **{HOSTED_ENV: "1", SECRET_ENV: secret},
     )
     for k in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID"):
         base_env.pop(k, None)
@@ -208,7 +212,7 @@ def run_multi(
                         preexec_fn=preexec,
                     )
                 )
-            _watch(procs, names, cfg, store, result, progress, {}, run_dir, stop)
+            _watch(procs, names, cfg, store, result, progress, {}, run_dir, stop, signer=signer)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -237,7 +241,7 @@ def run_multi(
     return result
 
 
-def _watch(procs, names, cfg, store, result, progress, bars, run_dir, stop) -> None:
+def _watch(procs, names, cfg, store, result, progress, bars, run_dir, stop, *, signer) -> None:
     """Until every node has exited: pass signals on, draw progress; mark a node that exited
     without finishing or leaving (130) as gone in the store, so that its peers stop waiting for
     it at once."""
@@ -249,7 +253,9 @@ def _watch(procs, names, cfg, store, result, progress, bars, run_dir, stop) -> N
             result.exit_codes[name] = p.returncode
             if p.returncode not in (0, INTERRUPTED):
                 try:
-                    mark_left(store, rank, f"its process exited with code {p.returncode}")
+                    mark_left(
+                        store, rank, f"its process exited with code {p.returncode}", signer=signer
+                    )
                 except RuntimeError:
                     pass
         _update_bars(progress, bars, cfg, run_dir)

@@ -35,7 +35,7 @@ from ftis.exchange.transport import TransportLost
 from ftis.models.loading import ModelLoadError, load_tokenizer, tokenizer_fingerprint
 from ftis.tasks import TaskDataError
 from ftis.train.checkpoint import CheckpointError, checkpoint_step
-from ftis.train.loop import StopFlag, train_node
+from ftis.train.loop import NoTrainingSignal, StopFlag, train_node
 from ftis.train.metrics import MetricLogger, truncate_run_rows
 
 log = logging.getLogger("ftis.launch.worker")
@@ -51,6 +51,7 @@ USER_ERRORS = (
     PeerGroupError,
     CheckpointError,
     TransportLost,
+    NoTrainingSignal,
 )
 
 # What every rank must agree on: the task (prompt indices), the step schedule, the sharing

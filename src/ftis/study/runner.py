@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ftis import rundir
 from ftis.config import RunConfig
 from ftis.study.spec import RunSpec, Study
 from ftis.train.metrics import read_metrics
@@ -76,8 +76,11 @@ def execute_run(run: RunSpec, run_dir: Path, *, console: Console | None = None) 
     from ftis.launch import run_local
 
     if run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
+        written = any((run_dir / f).is_file() for f in (RUN_META, "config.yaml", "metrics.jsonl"))
+        if written and not rundir.is_ftis_run_dir(run_dir):
+            rundir.mark(run_dir)  # a run of this study written before the marker existed
+        rundir.clear(run_dir)  # only a directory ftis created (RunDirError otherwise)
+    rundir.mark(run_dir)
     cfg = run.config.model_copy(
         update={"log": run.config.log.model_copy(update={"progress": False})}
     )

@@ -73,7 +73,7 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _prune(node_dir, keep)
+    _prune(node_dir, keep, step)
     return final
 
 
@@ -163,10 +163,23 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _prune(node_dir: Path, keep: int) -> None:
-    ckpts = sorted(p for p in node_dir.glob("step-*") if p.is_dir())
+def _prune(node_dir: Path, keep: int, step: int) -> None:
+    """Keep the `keep` newest checkpoints up to `step` (the one just written). Checkpoints of
+    later steps are left from before a resume that fell back past them (they were damaged, or
+    `latest` did not name them): they neither count nor go, so a damaged newer checkpoint can
+    never push out the one the run resumed from; the run replaces each when it reaches its
+    step."""
+    ckpts = sorted(p for p in node_dir.glob("step-*") if p.is_dir() and _step_of(p) <= step)
     for old in ckpts[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _step_of(ckpt: Path) -> int:
+    """The step in a step-NNNNNN directory's name (-1 when the name is not one)."""
+    try:
+        return int(ckpt.name.removeprefix("step-"))
+    except ValueError:
+        return -1
 
 
 # ---- verifying ---------------------------------------------------------------------------------

@@ -55,6 +55,11 @@ class NodeResult:
     last_step: int = 0  # the last completed step (the step of the final checkpoint)
 
 
+class NoTrainingSignal(RuntimeError):
+    """A node had no usable group for `train.max_steps_without_signal` consecutive steps (it
+    stopped after a checkpoint rather than drift); the message says why and what to change."""
+
+
 class SimulatedCrash(BaseException):
     """`testing.crash_at_step` in a single-node run: escapes like a kill (tests only)."""
 
@@ -198,6 +203,7 @@ def train_node(
     done = start  # the last completed step: its row is logged and its update applied
     saved = start if found is not None else -1
     lost: TransportLost | None = None
+    starved: NoTrainingSignal | None = None
     try:
         with stop.installed():
             for step in range(start + 1, tc.steps + 1):
@@ -232,6 +238,10 @@ def train_node(
                     saved = step
                 if progress:
                     progress("step", step=step, total=tc.steps, metrics=metrics)
+                starved = _starved(cfg, node.name, step, metrics)
+                if starved is not None:
+                    log.error("%s", starved)
+                    break
             if saved != done:  # stopped early (or steps == 0): keep what was done
                 checkpoint(done)
     finally:
@@ -240,6 +250,8 @@ def train_node(
     transport.close()
     if lost is not None:
         raise lost
+    if starved is not None:
+        raise starved
     return NodeResult(
         name=node.name,
         first_eval=first_eval,
@@ -248,6 +260,25 @@ def train_node(
         steps=tc.steps,
         interrupted=done < tc.steps,
         last_step=done,
+    )
+
+
+def _starved(
+    cfg: RunConfig, name: str, step: int, metrics: dict[str, float]
+) -> NoTrainingSignal | None:
+    """The error that stops a node whose algorithm reports `train/no_signal_streak` (consecutive
+    steps without a usable group) at `train.max_steps_without_signal`; None otherwise."""
+    limit = cfg.train.max_steps_without_signal
+    streak = int(metrics.get("train/no_signal_streak", 0))
+    if not limit or streak < limit:
+        return None
+    return NoTrainingSignal(
+        f"node {name}: no usable group for {streak} consecutive steps (steps "
+        f"{step - streak + 1}-{step}: every group had a single completion or equal rewards, so "
+        f"no optimizer step was taken); stopped after a checkpoint of step {step} rather than "
+        "go on without a training signal. Check that the peers are alive (horizontal sharing "
+        "needs every peer's share of a group) and the task's difficulty, or set "
+        "train.max_steps_without_signal (0 = never stop)"
     )
 
 

@@ -47,7 +47,7 @@ class TensorBoardSink:
         except ImportError as e:  # tensorboard is an optional extra
             raise RuntimeError(
                 "log.tensorboard is on but the tensorboard package is missing: "
-                "pip install tensorboard, or set log.tensorboard=false"
+                "pip install 'ftis[tensorboard]', or set log.tensorboard=false"
             ) from e
         self._w = SummaryWriter(str(logdir))
 

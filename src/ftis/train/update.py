@@ -297,9 +297,17 @@ def train_on_round(
     `train.update_epochs` passes of `train.mini_batches` shuffled mini-batches. Advantages and
     ReCo's response weights come from the whole round (whole groups); the sampler log-probs stay
     the sampler's in every pass. Returns (`loss/*` metrics: means over the steps, maxima for
-    *_max, minima for *_min, and `train/optimizer_steps`; the number of steps skipped as
-    non-finite: the others still run). `own` and `peer_scale` are per sequence of `batch`, as
-    in `update`; the m-th optimizer step of the round gets update_index m."""
+    *_max, minima for *_min, `train/optimizer_steps`, and `train/no_signal`: 1 when no
+    advantage was non-zero, so no step was taken; the number of steps skipped as non-finite: the
+    others still run). `own` and `peer_scale` are per sequence of `batch`, as in `update`; the
+    m-th optimizer step of the round gets update_index m."""
+    if not bool((advantages != 0).any()):
+        # No usable group (every group skipped, or all rewards equal in each): the gradient is
+        # exactly 0, yet an optimizer step would still move the weights (Adam's moments, weight
+        # decay) with no training signal. No step; the row says so (issue 22).
+        log.warning("node %s step %d: no usable group; no optimizer step", node.name, step)
+        out = {f"loss/{k}": v for k, v in _no_step_metrics(node.cfg.loss, batch).items()}
+        return {**out, "train/optimizer_steps": 0.0, "train/no_signal": 1.0}, 0
     loss_cfg = node.cfg.loss
     weights = response_weights(batch, loss_cfg, group_size=train.group_size)
     plan = round_plan(
@@ -339,4 +347,26 @@ def train_on_round(
             skipped += 1
     out = {f"loss/{k}": v for k, v in mean_step_metrics(done).items()}
     out["train/optimizer_steps"] = float(len(done))
+    out["train/no_signal"] = 0.0
     return out, skipped
+
+
+def _no_step_metrics(loss_cfg: LossConfig, batch: RolloutBatch) -> dict[str, float]:
+    """The metrics `update` reports for a batch with no sequence to run (the loss's own over
+    no sequence, 0 as for any empty mask), so that a round without an optimizer step carries
+    the same loss/* keys as any other."""
+    _, empty = policy_loss(
+        torch.zeros(0, 1),
+        torch.zeros(0, 1),
+        torch.zeros(0),
+        torch.zeros(0, 1, dtype=torch.bool),
+        method=loss_cfg.method,
+        num_sequences=batch.num_sequences,
+    )
+    out = {k: float(v) for k, v in empty.items()}
+    if resolve_method(loss_cfg.method)[0] == "reco":
+        if loss_cfg.reco_token_ratio:
+            out.update(variance_ratio_mean=0.0, variance_ratio_max=0.0)
+        if loss_cfg.reco_response_weights:
+            out.update(reco_weight_max=0.0, reco_weight_min=0.0)
+    return {**out, "active_frac": 0.0, "grad_norm": 0.0}

@@ -341,6 +341,10 @@ class FedDPOConfig(DPOConfig):
     baseline: one model on the union of the clients' pairs, no Flower."""
 
     kind: Literal["fed-dpo"] = "fed-dpo"  # type: ignore[assignment]
+
+    def required_packages(self) -> list[tuple[str, str]]:
+        return [("flwr", "federated"), ("ray", "federated")]  # Flower's simulation engine
+
     clients_per_round: int = Field(
         0,
         ge=0,

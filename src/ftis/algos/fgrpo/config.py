@@ -52,6 +52,10 @@ class FGRPOConfig(AlgorithmConfig):
     `server_lr`. Runs through Flower's simulation engine."""
 
     kind: Literal["fgrpo"] = "fgrpo"
+
+    def required_packages(self) -> list[tuple[str, str]]:
+        return [("flwr", "federated"), ("ray", "federated")]  # Flower's simulation engine
+
     local_steps: int = Field(4, ge=1, description="E: local GRPO steps per client per round.")
     clients_per_round: int = Field(
         0,

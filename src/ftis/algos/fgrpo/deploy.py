@@ -37,7 +37,6 @@ ftis.algos.fgrpo also switches them off in an app process.
 from __future__ import annotations
 
 import logging
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +47,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
+from ftis import rundir
 from ftis.algos.federated.identity import identify_reply
 from ftis.config import ConfigError, RunConfig, load_config
 
@@ -135,8 +135,11 @@ def prepare_run_dir(cfg: RunConfig, settings: DeploySettings) -> None:
                 f"run directory {run_dir} already exists and is not empty; set another `out`, "
                 "overwrite=true to replace it, or resume=true to continue it"
             )
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            rundir.clear(run_dir)  # only a directory ftis created
+        except rundir.RunDirError as e:
+            raise ConfigError(str(e)) from None
+    rundir.mark(run_dir)
     written.write_text(text)
 
 

@@ -245,6 +245,11 @@ class FTISAlgorithm:
         out["train/skipped_update"] = skipped
         self.counters["skipped_updates_total"] += skipped
         out["train/skipped_updates_total"] = self.counters["skipped_updates_total"]
+        # Consecutive steps without a usable group; the shell stops the node at
+        # train.max_steps_without_signal. Checkpointed, so a resume continues the count.
+        streak = self.counters.get("no_signal_streak", 0.0)
+        self.counters["no_signal_streak"] = streak + 1 if out["train/no_signal"] else 0.0
+        out["train/no_signal_streak"] = self.counters["no_signal_streak"]
         return out
 
     def _exchange_metrics(

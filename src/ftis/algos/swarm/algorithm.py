@@ -38,7 +38,12 @@ class SwarmAlgorithm:
     def __init__(self, ctx: NodeContext) -> None:
         self.ctx = ctx
         self.inner = FTISAlgorithm(ctx)  # its codec, exchange, update and evaluation
-        self.totals = {"stale_total": 0.0, "late_total": 0.0, "rejected_total": 0.0}
+        self.totals = {
+            "stale_total": 0.0,
+            "late_total": 0.0,
+            "rejected_total": 0.0,
+            "rejected_heartbeats_total": 0.0,
+        }
         self._barrier_reported = False
         # every peer samples whole groups of the same prompts: its own noise, not the run's
         tc = ctx.cfg.train
@@ -128,6 +133,7 @@ class SwarmAlgorithm:
         if info is not None:
             self.totals["stale_total"] += info.stale
             self.totals["late_total"] += info.late
+            self.totals["rejected_heartbeats_total"] += info.rejected
             out.update(
                 {
                     "swarm/members": float(info.members),
@@ -137,6 +143,8 @@ class SwarmAlgorithm:
                     "swarm/timed_out": float(info.timed_out),
                     "swarm/stale_total": self.totals["stale_total"],
                     "swarm/late_total": self.totals["late_total"],
+                    "swarm/rejected_heartbeats": float(info.rejected),
+                    "swarm/rejected_heartbeats_total": self.totals["rejected_heartbeats_total"],
                 }
             )
             if info.published is not None:  # the simulator: peers that sent this round at all

@@ -105,6 +105,10 @@ class SwarmConfig(AlgorithmConfig):
     """
 
     kind: Literal["swarm"] = "swarm"
+
+    def required_packages(self) -> list[tuple[str, str]]:
+        return [("hivemind", "swarm")] if self.backend == "hivemind" else []
+
     backend: Literal["sim", "hivemind"] = "sim"
     max_peers: int = Field(64, ge=2, le=1024)
     deadline_s: float = Field(20.0, gt=0)

@@ -66,6 +66,7 @@ def build_transport(
         payload_ttl_s=a.payload_ttl_s,
         start_peers=a.start_peers(cfg) if start_barrier else frozenset(),
         start_timeout_s=a.start_timeout_s,
+        max_round=cfg.train.steps,
         publish_delay_s=slow_s,
     )
     return SwarmTransport(

@@ -105,6 +105,7 @@ def run_sim(
             poll_s=SIM_POLL_S,
             start_peers=start_ids if (not rejoin and p.churn.join_at == 0) else frozenset(),
             start_timeout_s=a.start_timeout_s,
+            max_round=cfg.train.steps,
             publish_delay_s=p.churn.slow_s,
         )
         transport = SwarmTransport(
