@@ -304,14 +304,19 @@ def test_worker_errors_are_clean(tmp_path, monkeypatch):
 
 
 def test_a_node_that_cannot_start_fails_the_run_with_its_reason(tmp_path):
-    """One node's model path is wrong: it exits before the group forms, its peer is told so and
-    exits too (no timeout), and the error names the node and the path."""
+    """One node's model cannot be loaded: it exits before the group forms, its peer is told so
+    and exits too (no timeout), and the error names the node and the path. (A path that does
+    not exist is refused by the launcher before any worker starts: tests/test_cli.py; this
+    one passes that check, a directory with a config.json, and fails in the worker.)"""
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
     data = tiny_run_config(steps=1)
     data["nodes"] = _nodes(("a", {"preset": "llama-xs"}))
-    data["nodes"].append({"name": "b", "model": {"path": str(tmp_path / "no-such-model")}})
+    data["nodes"].append({"name": "b", "model": {"path": str(broken)}})
     res, _ = _run(tmp_path, data)
     assert res.exit_code == 2, res.output
-    assert "b: cannot load" in res.output and "no-such-model" in res.output
+    assert "b: cannot load" in res.output and "broken-model" in res.output
     assert "Traceback" not in res.output
 
 
