@@ -336,7 +336,8 @@ def test_hacpo_trains_on_joint_groups_and_logs_its_mechanisms(tmp_path):
         for r in trained:
             # joint groups: the peer answered both prompts with its own G = 4
             assert r["exchange/sequences_received"] == 2 * 4
-            assert r["train/optimizer_steps"] == 4
+            # 2 epochs x 2 mini-batches, or none in a round without signal (all rewards equal)
+            assert r["train/optimizer_steps"] == (0 if r.get("train/no_signal") else 4)
             assert 0.0 <= r["hacpo/capability"] <= 1.0
             assert 0.1 <= r["hacpo/discrepancy"] <= 10.0
             assert r["hacpo/irregular_sequences"] == 0

@@ -457,3 +457,40 @@ def test_a_node_without_signal_stops_after_the_configured_number_of_steps(tmp_pa
     # 0 = never stop: the same run goes to its end.
     cfg = RunConfig.model_validate(tiny_run_config(steps=4, max_steps_without_signal=0))
     loop.train_node(cfg, rank=0, run_dir=tmp_path / "on")
+
+
+def test_hacpo_round_passes_own_mask_discrepancy_and_a_rising_clip_bound(monkeypatch):
+    """train_on_round with 2 epochs x 2 mini-batches: four optimizer updates whose peer clip
+    bounds are lo_m = 0.8 + 0.025 m (m = 0..3), each given the own mask and discrepancy of
+    exactly its own sequences (checked against the sequences' generator ids)."""
+    from ftis.config import TrainConfig
+
+    node = _node("hacpo")
+    batch = _batch(node, n_prompts=2, g=4)
+    batch.generator[1::2] = 1  # every other sequence is the peer's (rank 1)
+    scale = torch.where(batch.generator == 1, 2.5, 1.0)
+    calls = []
+    real = update_mod.policy_loss
+
+    def spy(logprobs, sampler_logprobs, advantages, mask, **kw):
+        calls.append((kw["peer_clip_lower"], kw["own"].clone(), kw["peer_scale"].clone()))
+        return real(logprobs, sampler_logprobs, advantages, mask, **kw)
+
+    monkeypatch.setattr(update_mod, "policy_loss", spy)
+    adv = torch.linspace(-1, 1, batch.num_sequences)  # no zero: every sequence runs
+    out, skipped = update_mod.train_on_round(
+        node,
+        TASK,
+        batch,
+        adv,
+        train=TrainConfig(update_epochs=2, mini_batches=2, group_size=4),
+        step=1,
+        own=batch.generator == 0,
+        peer_scale=scale,
+    )
+    assert (out["train/optimizer_steps"], skipped) == (4.0, 0)
+    assert [round(c[0], 6) for c in calls] == [0.8, 0.825, 0.85, 0.875]
+    for _, own, omega in calls:
+        # a mini-batch's own mask and omega agree with each other: omega 2.5 exactly on peers
+        assert torch.equal(omega, torch.where(own, 1.0, 2.5))
+    assert sum(int((~c[1]).sum()) for c in calls) == 2 * int((batch.generator == 1).sum())
