@@ -177,7 +177,8 @@ def test_population_document_numbers(tmp_path):
     study = load_arms_study(_study(tmp_path))
     _fake(study, tmp_path)
     text = write_arms_results(study).read_text()
-    lines = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if "|" in line}
+    head, paired = text.split("## Paired differences with intervals")
+    lines = {line.split(" | ")[0].lstrip("| "): line for line in head.splitlines() if "|" in line}
     # CoRP pooled: 150 tokens, 25%; GRPO at 150 tokens: 35% (seed 0), 45% (seed 1)
     corp = lines["CoRP pooled"]
     assert "| 150 | 25.0 ± 0.0 | +5.0 ± 0.0 | 40.0 ± 7.1 | -15.0 ± 7.1 | 2 |" in corp
@@ -191,6 +192,15 @@ def test_population_document_numbers(tmp_path):
     # the alone party against the pooled run at 64 members: +3 points
     alone = lines["CoRP add alone (consolidated, 64 members)"]
     assert "| 22.0 ± 0.0 | CoRP pooled | 25.0 ± 0.0 | +3.0 ± 0.0 | 75 |" in alone
+    # the same comparisons with intervals, seeds paired. CoRP pooled - GRPO at its tokens:
+    # -10 (seed 0), -20 (seed 1) points; a bootstrap over 2 seeds draws the mean of (-10, -10),
+    # (-10, -20), (-20, -10) or (-20, -20), each of the extremes with probability 1/4 > 2.5%, so
+    # the 95% interval is [-20, -10]. Against theta_0 +5 on both seeds: [+5, +5], bold (it
+    # excludes zero). The alone party: +3 on both seeds.
+    m = "\u2212"
+    assert f"| CoRP pooled | **+5.0 [+5.0, +5.0]** | **{m}15.0 [{m}20.0, {m}10.0]** | 2 |" in paired
+    alone_row = "| CoRP add alone (consolidated, 64 members) | CoRP pooled | **+3.0 [+3.0, +3.0]** | 2 |"
+    assert alone_row in paired
     assert "| corp-s0 | (0.75, 10, 2) | 16 | 30.0 -> 32.0 | yes | - |" in text
     assert (tmp_path / "results" / "pop" / "accuracy-vs-tokens.png").exists()
     # the hand-written reading survives regeneration
