@@ -199,7 +199,9 @@ def test_population_document_numbers(tmp_path):
     # excludes zero). The alone party: +3 on both seeds.
     m = "\u2212"
     assert f"| CoRP pooled | **+5.0 [+5.0, +5.0]** | **{m}15.0 [{m}20.0, {m}10.0]** | 2 |" in paired
-    alone_row = "| CoRP add alone (consolidated, 64 members) | CoRP pooled | **+3.0 [+3.0, +3.0]** | 2 |"
+    alone_row = (
+        "| CoRP add alone (consolidated, 64 members) | CoRP pooled | **+3.0 [+3.0, +3.0]** | 2 |"
+    )
     assert alone_row in paired
     assert "| corp-s0 | (0.75, 10, 2) | 16 | 30.0 -> 32.0 | yes | - |" in text
     assert (tmp_path / "results" / "pop" / "accuracy-vs-tokens.png").exists()
