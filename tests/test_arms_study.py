@@ -177,7 +177,8 @@ def test_population_document_numbers(tmp_path):
     study = load_arms_study(_study(tmp_path))
     _fake(study, tmp_path)
     text = write_arms_results(study).read_text()
-    lines = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if "|" in line}
+    head, paired = text.split("## Paired differences with intervals")
+    lines = {line.split(" | ")[0].lstrip("| "): line for line in head.splitlines() if "|" in line}
     # CoRP pooled: 150 tokens, 25%; GRPO at 150 tokens: 35% (seed 0), 45% (seed 1)
     corp = lines["CoRP pooled"]
     assert "| 150 | 25.0 ± 0.0 | +5.0 ± 0.0 | 40.0 ± 7.1 | -15.0 ± 7.1 | 2 |" in corp
@@ -191,6 +192,17 @@ def test_population_document_numbers(tmp_path):
     # the alone party against the pooled run at 64 members: +3 points
     alone = lines["CoRP add alone (consolidated, 64 members)"]
     assert "| 22.0 ± 0.0 | CoRP pooled | 25.0 ± 0.0 | +3.0 ± 0.0 | 75 |" in alone
+    # the same comparisons with intervals, seeds paired. CoRP pooled - GRPO at its tokens:
+    # -10 (seed 0), -20 (seed 1) points; a bootstrap over 2 seeds draws the mean of (-10, -10),
+    # (-10, -20), (-20, -10) or (-20, -20), each of the extremes with probability 1/4 > 2.5%, so
+    # the 95% interval is [-20, -10]. Against theta_0 +5 on both seeds: [+5, +5], bold (it
+    # excludes zero). The alone party: +3 on both seeds.
+    m = "\u2212"
+    assert f"| CoRP pooled | **+5.0 [+5.0, +5.0]** | **{m}15.0 [{m}20.0, {m}10.0]** | 2 |" in paired
+    alone_row = (
+        "| CoRP add alone (consolidated, 64 members) | CoRP pooled | **+3.0 [+3.0, +3.0]** | 2 |"
+    )
+    assert alone_row in paired
     assert "| corp-s0 | (0.75, 10, 2) | 16 | 30.0 -> 32.0 | yes | - |" in text
     assert (tmp_path / "results" / "pop" / "accuracy-vs-tokens.png").exists()
     # the hand-written reading survives regeneration
@@ -273,6 +285,8 @@ def test_dpo_document_numbers(tmp_path):
         "| ring | 0.333 | 0.889 | 1.50e-02 ± 0.0e+00 | 1.50e-03 ± 0.0e+00 | 0.100 ± 0.000 |" in text
     )
     assert "| fed S1 | 1 of 4 | 0 | last-participation | 0.00 ± 0.00 | 75.0 ± 0.0 |" in text
+    # the paired table: the first FedDPO arm is a reference; one seed gives no interval
+    assert "| ring | fed S1 | n/a (1 seed) | n/a (1 seed) | 1 |" in text
     assert (tmp_path / "results" / "dpo" / "consensus.png").exists()
 
 
@@ -328,3 +342,53 @@ def test_swarm_document_numbers(tmp_path):
         "| churn (seed 0) | 4 (1 models) | 25% (max 25%) | 4 of 4 | 0.800 | 1.000 | 0 / 0 / 4 | 3 of 4 |"
         in text
     )
+
+
+def test_swarm_churn_table_pairs_peers_and_gives_no_interval_for_one_seed(tmp_path):
+    """The churn run of test_swarm_document_numbers against the same peers without churn. Gains
+    (last minus first evaluation): with churn p0 +10, p1 -10, p2 +10, p3 +10 points; without,
+    +10 each. Churn minus no churn, paired by peer: 0, -20, 0, 0 -> mean -5.0. A bootstrap over
+    the 4 peers draws k copies of -20 with k ~ Binomial(4, 1/4): P(k = 0) = 81/256 > 2.5%, so the
+    upper end is 0.0; P(k = 4) = 1/256 < 2.5% < P(k >= 3) = 13/256, so the lower end is the
+    mean at k = 3, -15.0. One seed: no interval over seeds."""
+    nodes = [{"name": f"p{i}", "model": {"preset": "llama-xs"}} for i in range(4)]
+    cfg = {
+        "name": "sw",
+        "task": {"kind": "arithmetic", "ops": {"+": 1.0}, "max_digits": 2},
+        "nodes": nodes,
+        "train": {"steps": 4},
+        "algorithm": {"kind": "swarm", "churn": {"p2": {"join_at": 2}, "p3": {"leave_at": 2}}},
+    }
+    (tmp_path / "sw.yaml").write_text(yaml.safe_dump(cfg))
+    spec = {
+        "kind": "arms",
+        "name": "sw",
+        "out": str(tmp_path / "out"),
+        "report": str(tmp_path / "sw.md"),
+        "results": "swarm",
+        "seeds": [0],
+        "arms": {
+            "churn": {"config": "sw.yaml", "label": "churn"},
+            "steady": {"config": "sw.yaml", "label": "steady", "set": ["algorithm.churn={}"]},
+        },
+    }
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    study = load_arms_study(tmp_path / "study.yaml")
+    churn = {"p0": [1, 2, 3, 4], "p1": [1, 2, 3, 4], "p2": [3, 4], "p3": [1, 2]}
+    for run in study.runs:
+        present = churn if run.arm == "churn" else {n: [1, 2, 3, 4] for n in churn}
+        rows = []
+        for n, rounds in present.items():
+            rows.append({"step": rounds[0] - 1, "node": n, "eval/accuracy": 0.2})
+            for r in rounds:
+                row = {"step": r, "node": n, "swarm/peers_seen": 2}
+                if r == rounds[-1]:
+                    row["eval/accuracy"] = 0.1 if (n == "p1" and run.arm == "churn") else 0.3
+                rows.append(row)
+        _write_run(tmp_path / "out" / run.id, run.config, rows)
+        (tmp_path / "out" / run.id / "study-run.json").write_text(json.dumps({"status": "done"}))
+    text = write_arms_results(study).read_text()
+    m = "\u2212"
+    row = f"| churn | steady | llama-xs | n/a (1 seed) | {m}5.0 [{m}15.0, 0.0] | 1 | 4 |"
+    assert row in text
+    assert "None of the 1 intervals excludes zero." in text

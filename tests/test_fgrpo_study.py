@@ -250,6 +250,11 @@ def test_document_from_fake_runs(tmp_path) -> None:
         "50.0 ± 7.1",
     ]
     assert _cells(final, "| Central |")[1] == "35.0 ± 7.1"
+    # paired by seed, the seed term 0.1 s cancels: RG - FedAvg = 0.10 - 0.0 on every client and
+    # seed, RG - Alone = 0.10 + 0.05; constant differences give a zero-width interval (bold)
+    paired = text[text.index("## Paired differences") : text.index("## Accuracy across")]
+    assert _cells(paired, "| RG | FedAvg |")[2:] == ["**+10.0 [+10.0, +10.0]**"] * 4 + ["2"]
+    assert _cells(paired, "| RG | Alone |")[2:] == ["**+15.0 [+15.0, +15.0]**"] * 4 + ["2"]
     stab = text[text.index("## Stability") : text.index("## Aggregation")]
     std_table, drops_table, worst_table = stab.split("\n\n| arm")[1:4]
     # RG, any client: rounds .. s+.2, s+.1+.1 seed. last 2: seed 0 pstd 5 pp, seed 1 0 pp
@@ -285,6 +290,9 @@ def test_document_from_fake_runs(tmp_path) -> None:
     assert "Partial results: 11 of 12 runs complete" in text and "`alone-c-s1`" in text
     final = text[text.index("## Final") : text.index("## Accuracy across")]
     assert _cells(final, "| Alone |")[3:5] == ["70.0 ± 0.0", "45.0 ± 0.0"]  # seed 0 only
+    paired = text[text.index("## Paired differences") : text.index("## Accuracy across")]
+    # client c alone, and so the mean over clients, now has seed 0 only: no interval
+    assert _cells(paired, "| RG | Alone |")[4:] == ["n/a (1 seed)", "n/a (1 seed)", "1"]
 
 
 # ---- one tiny study, end to end ------------------------------------------------------------

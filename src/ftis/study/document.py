@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 import logging
 import statistics
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ftis.study.runner import STUDY_LOG
+from ftis.study.stats import PairedDifference, paired_difference
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,85 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
         "|" + "|".join("---" for _ in header) + "|",
         *("| " + " | ".join(r) + " |" for r in rows),
     ]
+
+
+ONE_SEED = "n/a (1 seed)"
+DIFFERENCES_NOTE = (
+    "Each cell is the paired difference A − B (paired by seed: the same seed's run of each), "
+    "mean over the seeds both have, with its 95% percentile bootstrap interval over seeds "
+    "(ftis.study.stats, 10,000 resamples, docs/math.md §11), in percentage points unless the "
+    "column says otherwise. **Bold**: the interval excludes zero, the only case a reading may "
+    "call A better or worse than B; otherwise no difference is detected at this resolution. "
+    f"'{ONE_SEED}': one paired seed, no interval; '-': no paired seed."
+)
+
+
+class Differences:
+    """Paired differences of one document's table: `cell` computes one (ftis.study.stats) and
+    formats it; `summary` lists the comparisons whose interval excludes zero, so a reading can
+    cite the code's count instead of its own."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.fewest = 0  # the fewest paired seeds behind an interval
+        self.hits: list[str] = []
+
+    def cell(
+        self,
+        label: str,
+        a: Mapping[Any, Any],
+        b: Mapping[Any, Any],
+        *,
+        scale: float = 100.0,
+        digits: int = 1,
+        higher_is_better: bool = True,
+    ) -> str:
+        """'+1.2 [−0.3, +2.6]' for A − B over the seeds both have (bold when the interval
+        excludes zero; the comparison named `label` is then listed by `summary`); 'n/a (1
+        seed)' for one paired seed; '-' for none."""
+        d = paired_difference(a, b)
+        return self.format(label, d, scale=scale, digits=digits, higher_is_better=higher_is_better)
+
+    def format(
+        self,
+        label: str,
+        d: PairedDifference,
+        *,
+        scale: float = 100.0,
+        digits: int = 1,
+        higher_is_better: bool = True,
+    ) -> str:
+        if d.seeds == 0:
+            return "-"
+        if d.seeds < 2:
+            return ONE_SEED
+        self.count += 1
+        self.fewest = min(self.fewest, d.seeds) if self.fewest else d.seeds
+        text = d.cells(scale=scale, digits=digits)
+        if d.excludes_zero:
+            self.hits.append(f"{label}: {d.verdict(higher_is_better=higher_is_better)}")
+            return f"**{text}**"
+        return text
+
+    def summary(self) -> str:
+        """One line: how many intervals exclude zero (the bold cells), in which direction."""
+        if not self.count:
+            return "No comparison has two paired seeds."
+        if not self.hits:
+            return f"None of the {self.count} intervals excludes zero."
+        better = sum(h.endswith(": better") for h in self.hits)
+        worse = len(self.hits) - better
+        few = (
+            " With 2-3 seeds a percentile bootstrap cannot reach beyond the smallest and largest "
+            "per-seed difference, so its intervals are narrower than 95% coverage would need."
+            if self.fewest <= 3
+            else ""
+        )
+        return (
+            f"{len(self.hits)} of the {self.count} intervals exclude zero (bold): {better} "
+            f"better, {worse} worse.{few} At 95%, about 1 interval in 20 excludes zero when "
+            "there is no difference at all."
+        )
 
 
 def code_line(results: list[Any]) -> str:

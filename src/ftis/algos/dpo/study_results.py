@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ftis.study.arms import ArmResult, document_head, document_tail, image, save_figure
-from ftis.study.document import fmt_pct, mean_std
+from ftis.study.document import DIFFERENCES_NOTE, Differences, fmt_pct, mean_std
 from ftis.study.document import table as _table
 from ftis.study.spec import Study
 
@@ -120,6 +120,74 @@ def main_table(study: Study, results: list[ArmResult]) -> list[str]:
         "seeds",
     ]
     return _table(header, rows) if rows else ["_No complete runs yet._"]
+
+
+def _references(study: Study, results: list[ArmResult]) -> list[str]:
+    """The arms the others are compared with: centralized DPO, each agent alone, and the first
+    FedDPO arm (the participation and staleness series' full-participation, no-delay point)."""
+    kinds = {key: kind(rs[0]) for key in study.spec.arms for rs in [_runs(results, key)] if rs}  # type: ignore[attr-defined]
+    refs = [k for k, v in kinds.items() if v == "centralized"]
+    refs += [k for k, v in kinds.items() if v == "dpo"]
+    refs += [k for k, v in kinds.items() if v == "fed-dpo"][:1]
+    return refs
+
+
+def difference_table(study: Study, results: list[ArmResult]) -> list[str]:
+    """Each arm minus each reference, paired by seed: final preference accuracy (mean over the
+    agents) and final held-out DPO loss (lower is better)."""
+    arms = study.spec.arms  # type: ignore[attr-defined]
+    refs = _references(study, results)
+    diffs = Differences()
+
+    def final(key: str, metric: str) -> dict[int, float]:
+        return {
+            r.run.seed: v
+            for r in _runs(results, key)
+            for v in [_final(per_round(r, metric))]
+            if v is not None
+        }
+
+    rows = []
+    for ref in refs:
+        for key, arm in arms.items():
+            if key == ref or not _runs(results, key):
+                continue
+            where = f"{arm.label or key} − {arms[ref].label or ref}"
+            pa, pb = final(key, PREF), final(ref, PREF)
+            la, lb = final(key, EVAL_LOSS), final(ref, EVAL_LOSS)
+            rows.append(
+                [
+                    arm.label or key,
+                    arms[ref].label or ref,
+                    diffs.cell(f"{where}, preference accuracy", pa, pb),
+                    diffs.cell(
+                        f"{where}, held-out loss",
+                        la,
+                        lb,
+                        scale=1.0,
+                        digits=3,
+                        higher_is_better=False,
+                    ),
+                    str(len(set(pa) & set(pb))),
+                ]
+            )
+    if not rows:
+        return []
+    header = [
+        "arm (A)",
+        "minus (B)",
+        "preference accuracy, final (pp)",
+        "held-out DPO loss, final (lower is better; not in points)",
+        "seeds",
+    ]
+    return [
+        "Final values, arm minus reference (the agents' mean per run). " + DIFFERENCES_NOTE,
+        "",
+        *_table(header, rows),
+        "",
+        diffs.summary(),
+        "",
+    ]
 
 
 def per_agent_table(study: Study, results: list[ArmResult]) -> list[str]:
@@ -340,6 +408,9 @@ def render(
     L += ["## Every arm", "", *main_table(study, results), ""]
     if plot_curves(study, results, assets / "curves.png"):
         L += [image(assets / "curves.png", report_path, "curves against rounds"), ""]
+    diff = difference_table(study, results)
+    if diff:
+        L += ["## Paired differences with intervals", "", *diff]
     agent = per_agent_table(study, results)
     if agent:
         L += ["Final held-out preference accuracy per agent (its own pairs):", "", *agent, ""]

@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from ftis.algos.fgrpo.study import CLIENT_EVAL, FGRPORun, FGRPOStudy, run_state
-from ftis.study.document import READING_BEGIN, READING_END, fmt_pct, mean_std
+from ftis.study.document import (
+    DIFFERENCES_NOTE,
+    READING_BEGIN,
+    READING_END,
+    Differences,
+    fmt_pct,
+    mean_std,
+)
 from ftis.study.document import rel as _rel
 from ftis.study.document import table as _table
 from ftis.study.runner import RUN_META, STUDY_LOG
@@ -432,6 +439,41 @@ def _final_table(study: FGRPOStudy, results: list[RunData], last_round: int) -> 
     return _table(header, rows)
 
 
+def _difference_table(study: FGRPOStudy, results: list[RunData], last_round: int) -> list[str]:
+    """Each federated arm minus each reference (the FedAvg arms, the centralized arm, the alone
+    arm), per client and over clients, at the last round, paired by seed with an interval."""
+    clients = study.clients
+    arms = study.spec.arms
+    fed = [a for a, spec in arms.items() if spec.kind == "federated"]
+    refs = [a for a in fed if arms[a].aggregation == "fedavg"]
+    refs += [a for a, spec in arms.items() if spec.kind in ("centralized", "alone")]
+    per = {a: {c: finals(results, a, c, last_round) for c in clients} for a in arms}
+    diffs = Differences()
+    rows = []
+    for ref in refs:
+        for arm in fed:
+            if arm == ref or not any(per[arm].values()) or not any(per[ref].values()):
+                continue
+            where = f"{study.label(arm)} − {study.label(ref)}"
+            cells = [diffs.cell(f"{where}, {c}", per[arm][c], per[ref][c]) for c in clients]
+            mine = mean_over_clients(per[arm]) if all(per[arm].values()) else {}
+            theirs = mean_over_clients(per[ref]) if all(per[ref].values()) else {}
+            cells.append(diffs.cell(f"{where}, {MEAN}", mine, theirs))
+            seeds = len(set(mine) & set(theirs))
+            rows.append([study.label(arm), study.label(ref), *cells, str(seeds)])
+    if not rows:
+        return []
+    header = ["arm (A)", "minus (B)", *[f"`{c}`" for c in clients], MEAN, "seeds"]
+    return [
+        f"Final accuracy at round {last_round}, arm minus reference. {DIFFERENCES_NOTE}",
+        "",
+        *_table(header, rows),
+        "",
+        diffs.summary(),
+        "",
+    ]
+
+
 def _stability_tables(study: FGRPOStudy, results: list[RunData]) -> list[str]:
     st = study.spec.stability
     clients = study.clients
@@ -600,6 +642,9 @@ def render(
     rel_assets = os.path.relpath(assets, report_path.parent)
     if plot_finals(study, results, assets / "final.png", last_round):
         L += [f"![final accuracy per client]({rel_assets}/final.png)", ""]
+    diff = _difference_table(study, results, last_round)
+    if diff:
+        L += ["## Paired differences with intervals", "", *diff]
     L += ["## Accuracy across rounds", ""]
     if plot_curves(study, results, assets / "curves.png"):
         L += [

@@ -18,13 +18,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftis.study.document import READING_BEGIN, READING_END, fmt_pct, mean_std
+from ftis.study.document import (
+    DIFFERENCES_NOTE,
+    READING_BEGIN,
+    READING_END,
+    Differences,
+    fmt_pct,
+    mean_std,
+)
 from ftis.study.document import code_line as _code_line
 from ftis.study.document import invocations_line as _invocations_line
 from ftis.study.document import rel as _rel
 from ftis.study.document import table as _table
 from ftis.study.runner import RUN_META, run_status
 from ftis.study.spec import RunSpec, Study
+from ftis.study.stats import at_equal_tokens
 from ftis.train.metrics import read_metrics
 
 log = logging.getLogger(__name__)
@@ -578,6 +586,7 @@ def render(
             *_budget_table(study, results),
             "",
         ]
+    L += _difference_section(study, results)
     L += ["## Curves", ""]
     # one folder per document (docs/RESULTS.md -> docs/results/results/), so two studies'
     # reports in the same folder never overwrite each other's plots
@@ -845,3 +854,139 @@ def _gain_table(study: Study, results: list[RunResult]) -> list[str]:
     width = max(len(r) for r in rows)
     rows = [r + [""] * (width - len(r)) for r in rows]
     return _table(["pairing", "method"] + [f"node {i + 1}" for i in range(width - 2)], rows)
+
+
+# --------------------------------------------------------------------------- paired differences
+
+
+def _baseline(study: Study, pairing: str) -> str | None:
+    """The variant a pairing's others are compared with: its Alone, else its first variant."""
+    variants = _variant_order(study, pairing)
+    alone = [v for v in variants if study.spec.methods[v.split(" ")[0]].alone]
+    return alone[0] if alone else (variants[0] if variants else None)
+
+
+def _by_seed(results: list[RunResult], pairing: str, variant: str, node: str) -> dict[int, Any]:
+    """seed -> the node's curve in one pairing and variant (alone runs: the node's own run)."""
+    out: dict[int, NodeCurve] = {}
+    for res in results:
+        r = res.run
+        if r.pairing == pairing and r.variant == variant and r.node in (None, node):
+            c = res.nodes.get(node)
+            if c is not None and c.steps:
+                out[r.seed] = c
+    return out
+
+
+def _final_map(curves: dict[int, NodeCurve], fn) -> dict[int, float]:
+    return {s: float(v) for s, c in curves.items() for v in [fn(c)] if v is not None}
+
+
+def _token_curve(c: NodeCurve, split: str) -> tuple[list[float], list[float]] | None:
+    acc = c.acc.get(split, [])
+    return (c.tokens, acc) if acc and len(acc) == len(c.tokens) else None
+
+
+def _other_keys(results: list[RunResult], pairing: str) -> list[str]:
+    """Columns of the second difference table: the extra eval splits, then pass@k at k = 1, 8
+    and the largest k logged."""
+    extra = [sp for sp in splits_of(results, pairing) if sp not in SPLITS]
+    passk = eval_keys_of(results, pairing, lambda k: k.startswith("pass@"))
+    ks = [int(k.split("@")[1]) for k in passk if k.split("@")[1].isdigit()]
+    keep = {1, 8, max(ks)} if ks else set()
+    return extra + [k for k in passk if k.split("@")[1].isdigit() and int(k.split("@")[1]) in keep]
+
+
+def _difference_section(study: Study, results: list[RunResult]) -> list[str]:
+    """Every method minus its pairing's baseline (Alone where the pairing has one, else its
+    first method), per node, paired by seed with a bootstrap interval: final test and ood
+    accuracy at equal steps, and against Alone also at equal generated tokens (Alone's curve
+    read at the method's final token count, ftis.study.stats.at_equal_tokens); then the other
+    eval splits and pass@k at equal steps."""
+    diffs = Differences()
+    rows, other_tables = [], []
+    for p, ps in _pairings_with_results(study, results):
+        base = _baseline(study, p)
+        if base is None:
+            continue
+        base_alone = study.spec.methods[base.split(" ")[0]].alone
+        others = _other_keys(results, p)
+        other_rows = []
+        for v in _variant_order(study, p):
+            if v == base:
+                continue
+            for n in _node_order(study, p):
+                mine, ref = _by_seed(results, p, v, n), _by_seed(results, p, base, n)
+                if not mine or not ref:
+                    continue
+                where = f"{ps.label or p}, {_label(study, v)}, {n}"
+                cells = []
+                for sp in SPLITS:
+                    a = _final_map(mine, lambda c, sp=sp: c.final(sp))
+                    b = _final_map(ref, lambda c, sp=sp: c.final(sp))
+                    cells.append(diffs.cell(f"{where}, {sp} at equal steps", a, b))
+                    if not base_alone:
+                        continue
+                    ca = {s: t for s, c in mine.items() for t in [_token_curve(c, sp)] if t}
+                    cb = {s: t for s, c in ref.items() for t in [_token_curve(c, sp)] if t}
+                    a, b = at_equal_tokens(ca, cb)
+                    cells.append(diffs.cell(f"{where}, {sp} at equal tokens", a, b))
+                seeds = len(set(mine) & set(ref))
+                rows.append([ps.label or p, _label(study, v), n, *cells, str(seeds)])
+                if others:
+                    oc = []
+                    for k in others:
+                        if k.startswith("pass@"):
+                            fn = lambda c, k=k: c.final_eval(k)  # noqa: E731
+                        else:
+                            fn = lambda c, k=k: c.final(k)  # noqa: E731
+                        oc.append(
+                            diffs.cell(f"{where}, {k}", _final_map(mine, fn), _final_map(ref, fn))
+                        )
+                    other_rows.append([_label(study, v), n, *oc])
+        if other_rows:
+            title = f"{ps.label or p}: other eval splits and pass@k, minus {_label(study, base)}"
+            other_tables += [
+                f"### {title}",
+                "",
+                *_table(["method", "node", *others], other_rows),
+                "",
+            ]
+    if not rows:
+        return []
+    has_alone = any(m.alone for m in study.spec.methods.values())
+    header = ["pairing", "method", "node"]
+    for sp in SPLITS:
+        header.append(f"{sp}, equal steps")
+        if has_alone:
+            header.append(f"{sp}, equal tokens")
+    header.append("seeds")
+    width = len(header)
+    rows = [r[:-1] + ["-"] * (width - len(r)) + r[-1:] for r in rows]
+    refs = ", ".join(
+        f"{ps.label or p}: {_label(study, b)}"
+        for p, ps in _pairings_with_results(study, results)
+        for b in [_baseline(study, p)]
+        if b
+    )
+    intro = (
+        "Each method minus the same node's `Alone`, final greedy accuracy. Equal steps: "
+        "both at their last step. Equal tokens: Alone's accuracy read at the completion "
+        "tokens the method's node had generated itself by its last step (Alone's evaluations "
+        "linearly interpolated, seed by seed; a seed whose budget lies outside Alone's curve "
+        "is not paired). Where a pairing has no Alone, its first method is the reference. "
+        if has_alone
+        else f"Each method minus its pairing's first method ({refs}), final greedy accuracy "
+        "at equal steps. "
+    ) + DIFFERENCES_NOTE
+    return [
+        "## Paired differences with intervals",
+        "",
+        intro,
+        "",
+        *_table(header, rows),
+        "",
+        *other_tables,
+        diffs.summary(),
+        "",
+    ]

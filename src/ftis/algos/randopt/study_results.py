@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ftis.study.arms import ArmResult, document_head, document_tail, image, save_figure
-from ftis.study.document import fmt_pct, mean_std
+from ftis.study.document import DIFFERENCES_NOTE, Differences, fmt_pct, mean_std
 from ftis.study.document import table as _table
 from ftis.study.spec import Study
 
@@ -171,6 +171,94 @@ def _matched_table(study: Study, results: list[ArmResult]) -> list[str]:
         "seeds",
     ]
     return _table(header, out) if out else ["_No complete runs yet._"]
+
+
+def difference_tables(study: Study, results: list[ArmResult]) -> list[str]:
+    """Paired by seed, with intervals: each population row minus theta_0 and minus the
+    baseline at the same forward tokens (as in the matched-compute table), and each party
+    alone against its pooled twin (as in the alone table)."""
+    base = study.spec.options.get("base_series")  # type: ignore[attr-defined]
+    curve = base_curve(results, base) if base else {}
+    arms = study.spec.arms  # type: ignore[attr-defined]
+    base_label = (arms[base].label or base) if base in arms else "baseline"
+    diffs = Differences()
+    rows = []
+    for label, arm, metric, step in _rows_spec(study, results):
+        pts = points(results, arm, metric, step)
+        if not pts:
+            continue
+        acc = {p.seed: p.acc for p in pts}
+        start = {p.seed: p.start for p in pts if p.start is not None}
+        at_base = {
+            p.seed: b
+            for p in pts
+            for b in [interpolate(curve.get(p.seed, []), p.tokens)]
+            if b is not None
+        }
+        rows.append(
+            [
+                label,
+                diffs.cell(f"{label} − theta_0", acc, start),
+                diffs.cell(f"{label} − {base_label}", acc, at_base),
+                str(len(set(acc) & set(at_base))),
+            ]
+        )
+    for key, arm in arms.items():  # the gradient arms at their last step
+        res = [r for r in results if r.run.arm == key and _kind(r) not in POPULATION]  # type: ignore[attr-defined]
+        if not res:
+            continue
+        pts = points(res, key, ACC, None)
+        label = f"{arm.label or key} (last step)"
+        acc = {p.seed: p.acc for p in pts}
+        start = {p.seed: p.start for p in pts if p.start is not None}
+        # another gradient arm spends the baseline's tokens step for step: last against last
+        at_base = {s: c[-1][1] for s, c in curve.items() if c} if key != base else {}
+        rows.append(
+            [
+                label,
+                diffs.cell(f"{label} − theta_0", acc, start),
+                diffs.cell(f"{label} − {base_label}", acc, at_base) if at_base else "-",
+                str(len(acc)),
+            ]
+        )
+    pooled = []
+    for key, arm in arms.items():
+        res = [r for r in results if r.run.arm == key]  # type: ignore[attr-defined]
+        if not res or len(res[0].nodes) != 1 or _kind(res[0]) not in POPULATION:
+            continue
+        kind, a = _kind(res[0]), res[0].run.config.algorithm
+        twin = _pooled_twin(study, results, kind, a.population)
+        if twin is None:
+            continue
+        if kind == "randopt":
+            step = -(-a.population // a.per_step)
+            metrics = [(ACC, f"top-{a.top_k} vote"), (BEST, "best member")]
+        else:
+            step, metrics = None, [(ACC, "consolidated")]
+        for metric, what in metrics:
+            mine = {p.seed: p.acc for p in points(results, key, metric, step)}
+            theirs = {p.seed: p.acc for p in points(results, twin, metric, step)}
+            if not set(mine) & set(theirs):
+                continue
+            name = f"{arm.label or key} ({what}, {a.population} members)"
+            pooled.append(
+                [
+                    name,
+                    arms[twin].label or twin,
+                    diffs.cell(f"{arms[twin].label or twin} − {name}", theirs, mine),
+                    str(len(set(mine) & set(theirs))),
+                ]
+            )
+    if not rows and not pooled:
+        return []
+    L = [DIFFERENCES_NOTE, ""]
+    if rows:
+        header = ["arm (A)", "A − theta_0 (pp)", f"A − {base_label} at the same tokens", "seeds"]
+        L += [*_table(header, rows), ""]
+    if pooled:
+        header = ["party alone (B)", "pooled run (A)", "pooled − alone (pp)", "seeds"]
+        L += [*_table(header, pooled), ""]
+    return [*L, diffs.summary(), ""]
 
 
 def _gradient_table(study: Study, results: list[ArmResult]) -> list[str]:
@@ -439,6 +527,9 @@ def render(
         *_alone_table(study, results),
         "",
     ]
+    diff = difference_tables(study, results)
+    if diff:
+        L += ["## Paired differences with intervals", "", *diff]
     corp = _corp_table(study, results)
     if corp:
         L += ["## CoRP's choices", "", *corp, ""]

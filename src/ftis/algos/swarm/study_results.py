@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ftis.study.arms import ArmResult, document_head, document_tail, image, save_figure
+from ftis.study.document import DIFFERENCES_NOTE, ONE_SEED, Differences
 from ftis.study.document import table as _table
 from ftis.study.spec import Study
 
@@ -149,6 +150,93 @@ def preset_table(study: Study, results: list[ArmResult]) -> list[str]:
     return _table(header, rows) if rows else []
 
 
+def _gains(res: ArmResult) -> dict[str, dict[str, float]]:
+    """model -> peer -> last minus first evaluation, for the peers present at least half the
+    rounds (as in the accuracy table)."""
+    pres = _presence(res)
+    steps = res.run.config.train.steps
+    out: dict[str, dict[str, float]] = defaultdict(dict)
+    for n in res.nodes:
+        ev = _evals(res, n)
+        if sum(pres[n]) * 2 >= steps and len(ev) >= 2:
+            out[_preset(res, n)][n] = ev[max(ev)] - ev[min(ev)]
+    return out
+
+
+def _no_churn_twin(study: Study, results: list[ArmResult], arm: str) -> str | None:
+    """The arm with the same run config and no churn at all (nobody ever away), if any."""
+    arms = study.spec.arms  # type: ignore[attr-defined]
+    for key, spec in arms.items():
+        if key == arm or spec.config != arms[arm].config:
+            continue
+        res = [r for r in results if r.run.arm == key]  # type: ignore[attr-defined]
+        if res and all(all(p) for p in _presence(res[0]).values()):
+            return key
+    return None
+
+
+def churn_table(study: Study, results: list[ArmResult]) -> list[str]:
+    """Per model, a churn arm's accuracy change (a peer's last minus first evaluation) minus
+    its no-churn twin's: paired by seed (each seed's mean over the model's peers; one seed
+    gives no interval), and paired by peer within the seeds (the same peer, model, data and
+    warm start in both runs; the bootstrap resamples peers, so it says how the result varies
+    over peers of this one run, not over seeds)."""
+    arms = study.spec.arms  # type: ignore[attr-defined]
+    diffs = Differences()
+    rows = []
+    for key, arm in arms.items():
+        mine = [r for r in results if r.run.arm == key]  # type: ignore[attr-defined]
+        twin = _no_churn_twin(study, results, key) if mine else None
+        if twin is None or all(all(p) for p in _presence(mine[0]).values()):
+            continue
+        theirs = {r.run.seed: _gains(r) for r in results if r.run.arm == twin}  # type: ignore[attr-defined]
+        ours = {r.run.seed: _gains(r) for r in mine}
+        for model in sorted({m for g in ours.values() for m in g}):
+            by_seed_a = {
+                s: statistics.fmean(g[model].values()) for s, g in ours.items() if g.get(model)
+            }
+            by_seed_b = {
+                s: statistics.fmean(g[model].values()) for s, g in theirs.items() if g.get(model)
+            }
+            by_peer_a = {(s, n): v for s, g in ours.items() for n, v in g.get(model, {}).items()}
+            by_peer_b = {(s, n): v for s, g in theirs.items() for n, v in g.get(model, {}).items()}
+            where = f"{arm.label or key} − {arms[twin].label or twin}, {model}"
+            rows.append(
+                [
+                    arm.label or key,
+                    arms[twin].label or twin,
+                    model,
+                    diffs.cell(f"{where} (seeds)", by_seed_a, by_seed_b),
+                    diffs.cell(f"{where} (peers)", by_peer_a, by_peer_b),
+                    str(len(set(by_seed_a) & set(by_seed_b))),
+                    str(len(set(by_peer_a) & set(by_peer_b))),
+                ]
+            )
+    if not rows:
+        return []
+    header = [
+        "arm (A)",
+        "minus (B)",
+        "model",
+        "change in accuracy, paired by seed (pp)",
+        "paired by peer (pp)",
+        "seeds",
+        "peers",
+    ]
+    return [
+        "A peer's accuracy change is its last evaluation minus its first (peers present at least "
+        "half the rounds in both runs; a peer that left early has its last evaluation before "
+        "the last round). " + DIFFERENCES_NOTE + f" With one seed, the seed column is "
+        f"'{ONE_SEED}'; the peer column resamples the peers of that one seed, so its interval "
+        "says how the difference varies over peers, not over seeds.",
+        "",
+        *_table(header, rows),
+        "",
+        diffs.summary(),
+        "",
+    ]
+
+
 def plot(study: Study, results: list[ArmResult], path: Path) -> bool:
     """Per model: mean accuracy of the peers evaluated at each regular evaluation round (a
     joiner's evaluation at its join round is left out), one line per run; last panel: peer
@@ -233,6 +321,9 @@ def render(
     pt = preset_table(study, results)
     if pt:
         L += ["## Accuracy per model", "", *pt, ""]
+    ct = churn_table(study, results)
+    if ct:
+        L += ["## Churn against no churn: paired differences", "", *ct]
     if plot(study, results, assets / "swarm.png"):
         L += [
             image(assets / "swarm.png", report_path, "accuracy per model and samples received"),
