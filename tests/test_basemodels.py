@@ -40,7 +40,14 @@ def _fake_root(tmp_path: Path) -> Path:
     save_model(build_model(ModelConfig(preset="llama-xs", init_seed=123)), entry)
     char_tokenizer().save_pretrained(entry)
     files = {f.name: sha256_file(f) for f in sorted(entry.iterdir())}
-    manifest = {"format": 1, "entries": {entry.name: {"key": key, "files": files}}}
+    info = {
+        "key": key,
+        "files": files,
+        "warm_start": WS.model_dump(mode="json"),
+        "task": TASK.model_dump(mode="json"),
+        "used_by": ["a.yaml"],
+    }
+    manifest = {"format": 1, "entries": {entry.name: info}}
     (root / "manifest.json").write_text(json.dumps(manifest))
     return root
 
@@ -61,7 +68,9 @@ def _no_training(monkeypatch):
 
 
 def test_base_key_leaves_out_torch_version_and_device_only():
-    assert base_key(MODEL, WS, TASK) == base_key(MODEL.model_copy(update={"device": "cpu"}), WS, TASK)
+    assert base_key(MODEL, WS, TASK) == base_key(
+        MODEL.model_copy(update={"device": "cpu"}), WS, TASK
+    )
     assert base_key(MODEL, WS, TASK) != base_key(MODEL, WS.model_copy(update={"seed": 1}), TASK)
     assert base_key(MODEL, WS, TASK) != base_key(
         MODEL.model_copy(update={"init_seed": 1}), WS, TASK
@@ -213,3 +222,18 @@ def test_step0_eval_of_a_shipped_base_is_identical_under_default_and_avx2_kernel
     assert out["default"]["weights"] == out["avx2"]["weights"]
     assert out["default"]["metrics"] == out["avx2"]["metrics"]
     assert out["default"]["completions"] == out["avx2"]["completions"]
+
+
+def test_cli_lists_shipped_bases_and_fails_on_a_damaged_one(shipped):
+    from typer.testing import CliRunner
+
+    from ftis.cli import app
+
+    entry = find_shipped(base_key(MODEL, WS, TASK))
+    ok = CliRunner().invoke(app, ["basemodels", "list"], env={"COLUMNS": "250"})
+    assert ok.exit_code == 0, ok.output
+    assert entry.name in ok.output and "MISMATCH" not in ok.output
+    (entry.path / "config.json").write_text("{}")
+    bad = CliRunner().invoke(app, ["basemodels", "list"], env={"COLUMNS": "250"})
+    assert bad.exit_code == 1
+    assert "MISMATCH" in bad.output and "config.json has sha256" in bad.output
