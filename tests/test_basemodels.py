@@ -237,3 +237,14 @@ def test_cli_lists_shipped_bases_and_fails_on_a_damaged_one(shipped):
     bad = CliRunner().invoke(app, ["basemodels", "list"], env={"COLUMNS": "250"})
     assert bad.exit_code == 1
     assert "MISMATCH" in bad.output and "config.json has sha256" in bad.output
+
+
+def test_a_warm_start_that_is_not_shipped_is_trained_here_and_says_so_once(shipped, caplog):
+    other = WS.model_copy(update={"steps": 1})
+    assert find_shipped(base_key(MODEL, other, TASK)) is None
+    with caplog.at_level("INFO", logger="ftis.warmstart"):
+        path = warm_start(MODEL, other, TASK)
+        assert warm_start(MODEL, other, TASK) == path
+    notes = [r for r in caplog.records if "is not shipped with ftis" in r.getMessage()]
+    assert len(notes) == 1 and "specific to this CPU" in notes[0].getMessage()
+    assert "shipped" not in json.loads((path / "meta.json").read_text())

@@ -125,6 +125,8 @@ def warm_start(
     shipped = find_shipped(base_key(model_cfg, ws, task_cfg)) if use_shipped else None
     if shipped is not None:
         verify(shipped)  # a damaged package is an error, not a reason to train a different base
+    elif use_shipped:
+        _note_cpu_specific(name, key)
     if _cached(target, shipped, trained_here=not use_shipped):
         return target
     # Several nodes of one run often share a warm start: one computes it, the others wait for
@@ -136,7 +138,6 @@ def warm_start(
             return target
         if shipped is not None:
             return _install_shipped(shipped, key, target)
-        _note_cpu_specific(name, key)
         return _train_and_cache(model_cfg, ws, task_cfg, key, name, target, progress)
 
 
@@ -148,8 +149,8 @@ def _note_cpu_specific(name: str, key: str) -> None:
         return
     _noted.add(key)
     log.info(
-        "warm start %s-%s is not shipped with ftis: training it on this machine; its weights "
-        "(and every accuracy measured from them) are specific to this CPU and torch build",
+        "warm start %s-%s is not shipped with ftis: trained on this machine, its weights (and "
+        "every accuracy measured from them) are specific to this CPU and torch build",
         name,
         key,
     )
