@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -348,6 +349,92 @@ def bench(
             console.print(f"{k}: {v:.3f}")
         if out is not None:
             console.print(f"report: {out}")
+
+
+basemodels_app = typer.Typer(
+    no_args_is_help=True,
+    help="Base models shipped with ftis: warm starts that are the same bytes on every machine.",
+)
+app.add_typer(basemodels_app, name="basemodels")
+
+
+@basemodels_app.command("list")
+def basemodels_list() -> None:
+    """List the shipped base models, verifying each against the manifest's sha256."""
+    from ftis.basemodels import ShippedBaseError, shipped_bases, verify
+
+    try:
+        entries = shipped_bases()
+    except ShippedBaseError as e:
+        _fail(str(e))
+    table = Table(title="shipped base models (ftis/basemodels)")
+    for h in ("name", "warm start", "task", "MB", "used by", "sha256"):
+        table.add_column(h)
+    failed = []
+    for e in entries:
+        state = "ok"
+        try:
+            verify(e)
+        except ShippedBaseError as err:
+            state = "MISMATCH"
+            failed.append(str(err))
+        ws = e.info["warm_start"]
+        size = sum((e.path / f).stat().st_size for f in e.files if (e.path / f).exists())
+        mix = f" mix {json.dumps(ws['mix'])}" if ws.get("mix") else ""
+        table.add_row(
+            e.name,
+            f"{ws['steps']} steps, batch {ws['batch_size']}, lr {ws['lr']:g}{mix}",
+            e.info["task"]["kind"],
+            f"{size / 1e6:.1f}",
+            ", ".join(e.info.get("used_by", [])),
+            state,
+        )
+    Console().print(table)
+    for msg in failed:
+        console.print(f"[bold red]error:[/] {escape(msg)}", soft_wrap=True, highlight=False)
+    if failed:
+        raise typer.Exit(1)
+
+
+@basemodels_app.command("build")
+def basemodels_build(
+    paths: Annotated[
+        list[Path] | None,
+        typer.Argument(
+            help="Config and study YAML files whose warm starts to ship; default: the embedded "
+            "default plus configs/**/*.yaml and studies/*.yaml under the current directory."
+        ),
+    ] = None,
+    only: Annotated[
+        str | None, typer.Option(help="Build only entries whose name matches this glob.")
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="Directory of the manifest and entries (default: the package's)."),
+    ] = None,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
+) -> None:
+    """Train the warm starts the given configs use (on this machine, reusing the local cache's
+    entries trained here) and ship them: copy each into the package with its sha256."""
+    _setup_logging(verbose)
+    from ftis.basemodels import ROOT
+    from ftis.basemodels.build import build, default_sources, referenced_warm_starts
+    from ftis.config import ConfigError
+    from ftis.study import StudyError
+
+    repo = Path.cwd()
+    sources = list(paths) if paths else default_sources(repo)
+    try:
+        uses = referenced_warm_starts(sources, relative_to=repo)
+    except (ConfigError, StudyError) as e:
+        _fail(str(e))
+
+    def progress(name: str, step: int, total: int, loss: float) -> None:
+        if step == total or step % 100 == 0:
+            console.print(f"{name}: step {step}/{total}, loss {loss:.3f}", highlight=False)
+
+    built = build(uses, out=out or ROOT, only=only, progress=progress)
+    console.print(f"built {len(built)} base model(s) into {out or ROOT}: {', '.join(built)}")
 
 
 @app.command()

@@ -2,6 +2,10 @@
 solves part of the task, so that RL has something to sharpen (nothing can be downloaded here).
 
 Deterministic from its seed and cached on disk, keyed by everything that affects the weights.
+Trained here, in float32, it also depends on the CPU's instruction set (and the torch build): the
+same seed gives different weights on an AVX2 and an AVX-512 machine. So the warm starts of the
+configs the documentation quotes are shipped with the package (ftis.basemodels) and used in place
+of local training; any other warm start is trained locally and is specific to this machine.
 The data mix (`mix`) reweights the arithmetic operations (or the reasoning task's skills), which
 makes models with different expertise from one preset. The supervised target is the task's
 `warmstart_target(problem)` when it has one (the reasoning task's worked trace and answer), else
@@ -24,6 +28,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel
 
+from ftis.basemodels import ShippedBase, find_shipped, sha256_file, verify
 from ftis.models.loading import ModelConfig, build_model, load_tokenizer, save_model
 from ftis.models.logprobs import completion_logprobs
 from ftis.rollout.sampler import left_pad
@@ -63,7 +68,14 @@ def warmstart_target(task: Task, problem: Problem) -> str:
     return problem.answer if target is None else target(problem)
 
 
+def _digest(payload: dict) -> str:
+    blob = json.dumps(payload, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
 def cache_key(model_cfg: ModelConfig, ws: WarmStartConfig, task_cfg: BaseModel) -> str:
+    """Key of the local cache entry: everything that decides how a local warm start comes out,
+    the torch version included."""
     payload = {
         "version": WARMSTART_VERSION,
         "model": model_cfg.model_dump(exclude={"lora"}),
@@ -71,37 +83,126 @@ def cache_key(model_cfg: ModelConfig, ws: WarmStartConfig, task_cfg: BaseModel) 
         "task": task_cfg.model_dump(),
         "torch": torch.__version__.split("+")[0],
     }
-    blob = json.dumps(payload, sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+    return _digest(payload)
+
+
+def base_key(model_cfg: ModelConfig, ws: WarmStartConfig, task_cfg: BaseModel) -> str:
+    """Key of a shipped base model (ftis.basemodels): which starting point a config asks for.
+    The cache key without the torch version and the model's device, which decide how a local
+    warm start comes out but not what a shipped one holds."""
+    payload = {
+        "version": WARMSTART_VERSION,
+        "model": model_cfg.model_dump(exclude={"lora", "device"}),
+        "warm_start": ws.model_dump(),
+        "task": task_cfg.model_dump(),
+    }
+    return _digest(payload)
+
+
+def entry_name(model_cfg: ModelConfig, key: str) -> str:
+    return f"{model_cfg.preset or Path(str(model_cfg.path)).name}-{key}"
 
 
 def warm_start(
-    model_cfg: ModelConfig, ws: WarmStartConfig, task_cfg: BaseModel, *, progress=None
+    model_cfg: ModelConfig,
+    ws: WarmStartConfig,
+    task_cfg: BaseModel,
+    *,
+    progress=None,
+    use_shipped: bool = True,
 ) -> Path:
     """Return the directory of the warm-started model, training and caching it if needed.
 
-    `progress`, if given, is called as progress(step, total, loss) during training.
+    A shipped base model with the same `base_key` (ftis.basemodels) is verified against its
+    manifest and copied into the cache entry, replacing a locally trained one; without one the
+    warm start is trained here. `progress`, if given, is called as progress(step, total, loss)
+    during local training. `use_shipped=False` (`ftis basemodels build`) always trains here,
+    reusing only a cache entry that was trained here.
     """
     key = cache_key(model_cfg, ws, task_cfg)
     name = model_cfg.preset or Path(str(model_cfg.path)).name
     target = cache_root() / "warmstart" / f"{name}-{key}"
-    if _cached(target):
+    shipped = find_shipped(base_key(model_cfg, ws, task_cfg)) if use_shipped else None
+    if shipped is not None:
+        verify(shipped)  # a damaged package is an error, not a reason to train a different base
+    elif use_shipped:
+        _note_cpu_specific(name, key)
+    if _cached(target, shipped, trained_here=not use_shipped):
         return target
     # Several nodes of one run often share a warm start: one computes it, the others wait for
     # it (an advisory lock per entry; where there is no fcntl, each computes its own).
     locks = target.parent / ".locks"
     locks.mkdir(parents=True, exist_ok=True)
     with _entry_lock(locks / f"{target.name}.lock"):
-        if _cached(target):
+        if _cached(target, shipped, trained_here=not use_shipped):
             return target
+        if shipped is not None:
+            return _install_shipped(shipped, key, target)
         return _train_and_cache(model_cfg, ws, task_cfg, key, name, target, progress)
 
 
-def _cached(target: Path) -> bool:
-    if (target / "meta.json").exists() and (target / "config.json").exists():
-        log.info("warm start: cache hit %s", target)
-        return True
-    return False
+_noted: set[str] = set()
+
+
+def _note_cpu_specific(name: str, key: str) -> None:
+    if key in _noted:
+        return
+    _noted.add(key)
+    log.info(
+        "warm start %s-%s is not shipped with ftis: trained on this machine, its weights (and "
+        "every accuracy measured from them) are specific to this CPU and torch build",
+        name,
+        key,
+    )
+
+
+def _cached(
+    target: Path, shipped: ShippedBase | None = None, *, trained_here: bool = False
+) -> bool:
+    """True when `target` holds a complete entry: the shipped base's bytes when there is one (an
+    entry trained here before the base was shipped is replaced), one trained on this machine
+    when `trained_here`."""
+    if not ((target / "meta.json").exists() and (target / "config.json").exists()):
+        return False
+    if shipped is not None or trained_here:
+        try:
+            meta = json.loads((target / "meta.json").read_text())
+        except (OSError, ValueError):
+            return False
+        if trained_here and "shipped" in meta:
+            return False
+    if shipped is not None:
+        if meta.get("shipped") != shipped.name or any(
+            not (target / f).is_file() or sha256_file(target / f) != digest
+            for f, digest in shipped.files.items()
+        ):
+            return False
+    log.info("warm start: cache hit %s", target)
+    return True
+
+
+def _install_shipped(shipped: ShippedBase, key: str, target: Path) -> Path:
+    """Copy a verified shipped base into the cache entry `target` (replacing what is there)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    for fname in shipped.files:
+        shutil.copyfile(shipped.path / fname, tmp / fname)
+    meta = {"key": key, "shipped": shipped.name, "base_key": shipped.key}
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    _set_aside(target)
+    os.replace(tmp, target)
+    log.info("warm start: shipped base %s (identical on every machine) -> %s", shipped.name, target)
+    return target
+
+
+def _set_aside(target: Path) -> None:
+    """Remove an entry that `_cached` refused (trained here before its base was shipped, a
+    shipped copy that `ftis basemodels build` must retrain, or a damaged one); the caller holds
+    the entry's lock."""
+    if target.exists():
+        old = Path(tempfile.mkdtemp(dir=target.parent, prefix=".old-"))
+        os.replace(target, old / target.name)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -170,8 +271,18 @@ def _train_and_cache(model_cfg, ws, task_cfg, key, name, target, progress) -> Pa
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     save_model(model, tmp)
     tok.save_pretrained(tmp)
-    meta = {"key": key, "seconds": seconds, "final_loss": loss_value, "steps": ws.steps}
+    meta = {
+        "key": key,
+        "seconds": seconds,
+        "final_loss": loss_value,
+        "steps": ws.steps,
+        # what the weights depend on besides the config (they differ across these)
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "device": str(model.device),
+    }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    _set_aside(target)
     try:
         os.replace(tmp, target)  # atomic: readers see the whole directory or none of it
     except OSError:  # another process won the race; keep theirs

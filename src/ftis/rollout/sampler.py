@@ -83,7 +83,10 @@ def sample(
             f"got {tuple(noise.shape)}"
         )
     if noise is None and temperature > 0:
-        # Drawn on the CPU from `generator`, so a CPU generator also drives a GPU model.
+        # Drawn on the CPU from `generator`, so a CPU generator also drives a GPU model. torch.rand
+        # gives the same bits under every CPU kernel (default, AVX2, AVX-512; float32 randn does
+        # not), so the draws travel: a token differs across machines only where the logits' last
+        # bits differ across a cdf step (tests/test_basemodels.py checks a step-0 evaluation).
         noise = torch.rand((len(prompts) * num_samples, max_new_tokens), generator=generator)
     was_training = model.training
     model.eval()
