@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 # flwr.simulation.run_simulation's signature.
 Engine = Callable[..., None]
 NOISY_LOGGERS = ("flwr", "ray")
+# How many times Ray restarts one client worker whose process died (killed, out of memory).
+MAX_WORKER_RESTARTS = 100
 
 
 def not_a_node(ctx: Any) -> Any:
@@ -242,7 +244,10 @@ def run_flower(
 
     names = [n.name for n in cfg.nodes]
     t0 = time.perf_counter()
+    from ftis.launch.stop import interrupt_on_sigterm
+
     with (
+        interrupt_on_sigterm(),  # until the simulation's own handler: SIGTERM acts as Ctrl-C
         one_torch_thread(),
         server_setup(
             cfg, run_dir, label=label, console=console, resume=resume, info_key=info_key
@@ -311,13 +316,58 @@ def _quiet(verbose: bool) -> Iterator[None]:
 def simulate(
     cfg: RunConfig, *, server_app: Any, client_app: Any, stop: Any, engine: Engine | None
 ) -> None:
-    """Flower's simulation engine (or `engine`) with Ray kept small and quiet."""
-    if engine is None:
-        from flwr.simulation import run_simulation as engine
+    """Flower's simulation engine (or `engine`) with Ray kept small and quiet, under the stop
+    protocol (ftis.launch.stop): Ray is started here, before Flower would, so that SIGTERM is
+    handled by `stop` (as SIGINT is) and not by the handler ray.init installs (sys.exit in the
+    middle of a round: no checkpoint, an abort); on the way out Ray is shut down and every
+    process it left (its raylet, GCS and client workers, orphaned or not) is ended."""
+    if engine is not None:
+        with stop.installed():
+            engine(
+                server_app=server_app,
+                client_app=client_app,
+                num_supernodes=len(cfg.nodes),
+                backend_config=backend_config(cfg),
+                verbose_logging=cfg.algorithm.simulation.verbose,  # type: ignore[attr-defined]
+            )
+        return
+    from flwr.simulation import run_simulation
+
+    from ftis.launch.stop import reaping_orphans
 
     sim = cfg.algorithm.simulation  # type: ignore[attr-defined]
-    backend_config = {
-        "client_resources": {"num_cpus": sim.client_cpus, "num_gpus": sim.client_gpus},
+    config = backend_config(cfg)
+    with _quiet(sim.verbose), reaping_orphans(what="Ray"):
+        try:
+            _start_ray(config["init_args"])
+            with stop.installed():
+                run_simulation(
+                    server_app=server_app,
+                    client_app=client_app,
+                    num_supernodes=len(cfg.nodes),
+                    backend_config=config,
+                    verbose_logging=sim.verbose,
+                )
+        finally:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
+
+
+def backend_config(cfg: RunConfig) -> dict[str, Any]:
+    """Flower's Ray backend config: `client_cpus`/`client_gpus` per client worker (a Ray actor,
+    restarted by Ray up to `max_worker_restarts` times when its process dies: the client of the
+    lost round counts as dropped, the next round finds a fresh worker), Ray itself limited to
+    `num_cpus`, no dashboard, logs at ERROR unless verbose."""
+    sim = cfg.algorithm.simulation  # type: ignore[attr-defined]
+    config: dict[str, Any] = {
+        "client_resources": {
+            "num_cpus": sim.client_cpus,
+            "num_gpus": sim.client_gpus,
+            # passed on to the actor's options(): Ray restarts a worker whose process died
+            "max_restarts": MAX_WORKER_RESTARTS,
+        },
         "init_args": {
             "num_cpus": sim.num_cpus,
             "include_dashboard": False,
@@ -326,12 +376,22 @@ def simulate(
         },
     }
     if sim.client_gpus == 0:  # else Ray finds the GPUs itself
-        backend_config["init_args"]["num_gpus"] = 0
-    with _quiet(sim.verbose), stop.installed():
-        engine(
-            server_app=server_app,
-            client_app=client_app,
-            num_supernodes=len(cfg.nodes),
-            backend_config=backend_config,
-            verbose_logging=sim.verbose,
-        )
+        config["init_args"]["num_gpus"] = 0
+    return config
+
+
+def _start_ray(init_args: dict[str, Any]) -> None:
+    """ray.init as Flower's Ray backend calls it (which then finds Ray running and leaves it):
+    the workers import this process's modules through PYTHONPATH."""
+    import os
+    import sys
+
+    import ray
+
+    if ray.is_initialized():
+        return
+    pythonpath = os.pathsep.join(sys.path)
+    if os.environ.get("PYTHONPATH"):
+        pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
+    os.environ["PYTHONPATH"] = pythonpath
+    ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **init_args)
