@@ -116,6 +116,7 @@ def make_client_app(
         config = dict(msg.content[CONFIG])
         r = int(config[ROUND_KEY])
         check_alive(client.name, r)
+        plan.before_round(client.name, r)
         params = read_params(msg.content[ARRAYS], _reference(client))
         tensors, metrics, state = client.fit(params, r, config)
         arrays = to_numpy(tensors)

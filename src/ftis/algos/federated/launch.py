@@ -40,8 +40,6 @@ log = logging.getLogger(__name__)
 # flwr.simulation.run_simulation's signature.
 Engine = Callable[..., None]
 NOISY_LOGGERS = ("flwr", "ray")
-# How many times Ray restarts one client worker whose process died (killed, out of memory).
-MAX_WORKER_RESTARTS = 100
 
 
 def not_a_node(ctx: Any) -> Any:
@@ -333,11 +331,12 @@ def simulate(
         return
     from flwr.simulation import run_simulation
 
+    from ftis.algos.federated.workers import restarting_workers
     from ftis.launch.stop import reaping_orphans
 
     sim = cfg.algorithm.simulation  # type: ignore[attr-defined]
     config = backend_config(cfg)
-    with _quiet(sim.verbose), reaping_orphans(what="Ray"):
+    with _quiet(sim.verbose), reaping_orphans(what="Ray"), restarting_workers():
         try:
             _start_ray(config["init_args"])
             with stop.installed():
@@ -357,9 +356,10 @@ def simulate(
 
 def backend_config(cfg: RunConfig) -> dict[str, Any]:
     """Flower's Ray backend config: `client_cpus`/`client_gpus` per client worker (a Ray actor,
-    restarted by Ray up to `max_worker_restarts` times when its process dies: the client of the
-    lost round counts as dropped, the next round finds a fresh worker), Ray itself limited to
+    restarted by Ray when its process dies: ftis.algos.federated.workers), Ray itself limited to
     `num_cpus`, no dashboard, logs at ERROR unless verbose."""
+    from ftis.algos.federated.workers import MAX_WORKER_RESTARTS
+
     sim = cfg.algorithm.simulation  # type: ignore[attr-defined]
     config: dict[str, Any] = {
         "client_resources": {
