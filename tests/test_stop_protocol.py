@@ -121,6 +121,51 @@ def resume(out: Path, *overrides: str) -> str:
     return res.stdout
 
 
+# ---- the shared pieces ------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the child subreaper is Linux's")
+def test_orphans_started_inside_are_adopted_and_ended(tmp_path):
+    """A child that leaves a grandchild behind and exits (as a raylet does its workers): the
+    grandchild is adopted by this process inside `reaping_orphans` and ended on the way out;
+    a process started before is left alone."""
+    from ftis.launch.stop import reaping_orphans
+
+    before = subprocess.Popen(["sleep", "60"])
+    try:
+        pidfile = tmp_path / "orphan.pid"
+        with reaping_orphans(grace_s=2.0):
+            subprocess.run(["sh", "-c", f"sleep 60 & echo $! > {pidfile}"], check=True)
+            orphan = int(pidfile.read_text())
+            assert alive(orphan) and orphan in descendants()  # adopted, not init's
+        assert not alive(orphan)
+        assert alive(before.pid)
+    finally:
+        before.kill()
+        before.wait()
+
+
+def test_a_process_exits_when_its_launcher_is_gone():
+    """exit_with: for processes another program starts (Ray's client workers)."""
+    launcher = subprocess.Popen(["sleep", "60"])
+    code = (
+        "import time; from ftis.launch.stop import exit_with; "
+        f"exit_with({launcher.pid}, poll_s=0.05); time.sleep(60)"
+    )
+    worker = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        time.sleep(1.0)
+        assert worker.poll() is None  # the launcher lives: so does the worker
+        launcher.kill()
+        launcher.wait()
+        assert worker.wait(timeout=20) == 130
+    finally:
+        for p in (launcher, worker):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 # ---- Flower's simulation (Ray): FGRPO, FedDPO ------------------------------------------------
 
 
@@ -236,3 +281,68 @@ def test_the_hivemind_swarm_stops_checkpoints_and_resumes(tmp_path, sig):
     data = _swarm("hivemind", steps)
     out, _ = stop_and_resume(tmp_path, data, sig, ready=_peers_after(2))
     _check_swarm(out)
+
+
+# ---- the launcher's own death (SIGKILL: nothing to forward) ---------------------------------
+
+
+def _killed_launcher(tmp_path: Path, data: dict, ready) -> dict[str, float]:
+    """Start `ftis run`, SIGKILL it once ready(out) holds; return, for each process the
+    launcher ever had below it, the seconds it outlived the launcher (by command line)."""
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(data))
+    out = tmp_path / "run"
+    parent = subprocess.Popen(
+        [FTIS, "run", str(config), "--out", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    kids: set[int] = set()
+    try:
+        deadline = time.monotonic() + 600
+        while not ready(out):
+            assert parent.poll() is None and time.monotonic() < deadline
+            kids |= descendants(parent.pid)
+            time.sleep(0.1)
+        kids |= descendants(parent.pid)
+        names = {}
+        for k in kids:
+            try:
+                names[k] = Path(f"/proc/{k}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                names[k] = "?"
+        parent.kill()
+        parent.wait()
+        t0, gone = time.monotonic(), {}
+        while len(gone) < len(kids) and time.monotonic() - t0 < 120:
+            for k in kids - set(gone):
+                if not alive(k):
+                    gone[k] = time.monotonic() - t0
+            time.sleep(0.1)
+        assert len(gone) == len(kids), [names[k] for k in kids - set(gone)]
+        return {f"{names[k][:60]} ({k})": s for k, s in gone.items()}
+    finally:
+        for pid in [parent.pid, *kids]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_flower_client_workers_exit_when_the_launcher_is_killed(tmp_path):
+    """The client workers (Ray actors running ftis's ClientApp) watch the launcher and exit
+    within seconds; Ray's own raylet and GCS share its fate; Ray's agents exit once they find
+    the raylet gone (about a minute)."""
+    outlived = _killed_launcher(tmp_path, _fgrpo(4), _server_after(1))
+    workers = {k: s for k, s in outlived.items() if "ClientAppActor" in k}
+    assert workers and max(workers.values()) < 10, outlived
+
+
+@pytest.mark.slow
+def test_hivemind_peers_stop_when_the_launcher_is_killed(tmp_path):
+    """The peers get SIGTERM from the kernel (PR_SET_PDEATHSIG), checkpoint and leave; their
+    p2pd daemons end with them."""
+    pytest.importorskip("hivemind")
+    outlived = _killed_launcher(tmp_path, _swarm("hivemind", 1000), _peers_after(2))
+    assert max(outlived.values()) < 60, outlived
+    for n in ("a", "b"):
+        assert _checkpoint_step(tmp_path / "run", n) >= 2

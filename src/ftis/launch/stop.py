@@ -14,6 +14,8 @@ resume command. The pieces, shared by every launcher:
                          simulator and launcher)
     die_with_parent      a preexec_fn: the kernel sends the child SIGTERM when its launcher dies,
                          even by SIGKILL, which cannot be forwarded (Linux)
+    exit_with            for processes another program starts (Ray's client workers): a thread
+                         that ends this process once the launcher is gone
     reaping_orphans      the launcher adopts every orphan among its descendants (Linux's child
                          subreaper), so that processes whose own parent died first (a Ray worker
                          after its raylet, a p2pd after its peer) are still found and ended
@@ -136,6 +138,26 @@ def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
             os._exit(INTERRUPTED)
 
     return preexec
+
+
+_watched: set[int] = set()
+
+
+def exit_with(launcher: int, *, poll_s: float = 1.0, code: int = INTERRUPTED) -> None:
+    """Start (once per launcher) a daemon thread that ends this process with `code` as soon as
+    process `launcher` is gone: for processes that ftis does not start itself and so cannot give
+    a preexec_fn (Ray starts the client workers). Nothing when this process is the launcher."""
+    if launcher == os.getpid() or launcher in _watched:
+        return
+    _watched.add(launcher)
+
+    def watch() -> None:
+        while alive(launcher):
+            time.sleep(poll_s)
+        log.warning("the launcher (pid %d) is gone: this process exits", launcher)
+        os._exit(code)
+
+    threading.Thread(target=watch, name="ftis-exit-with-launcher", daemon=True).start()
 
 
 def alive(pid: int) -> bool:
