@@ -10,7 +10,9 @@ algorithm (`run_flower`), and the pieces any server-side run shares (`server_set
 `ftis run` reaches this through the algorithm registry (`launcher=`), not ftis's own launcher:
 `ftis.algos.fgrpo.launch.run_federated` and `ftis.algos.dpo.fed.run_fed_dpo` call it. Ctrl-C /
 SIGTERM: the round in flight finishes, the server checkpoints it, the remaining rounds are
-skipped and KeyboardInterrupt is raised (the CLI then says how to resume).
+skipped, Ray is shut down and every process it left is ended, and KeyboardInterrupt is raised
+(the CLI then says how to resume): the stop protocol of ftis.launch.stop. A client worker whose
+process dies is restarted for the next round (ftis.algos.federated.workers).
 """
 
 from __future__ import annotations

@@ -17,8 +17,10 @@ and overrides:
     aggregate_train     each reply is checked on its own (`read_train_reply`: names, shapes,
                         dtype, finite values, a positive count, the sender's identity, and
                         whatever the algorithm adds); a bad one is rejected and counted, an
-                        error reply or a missing one is a dropout; the accepted ones go to the
-                        algorithm's `aggregate`, never the others
+                        error reply or a missing one is a dropout (one saying that the worker
+                        process running the client died is also counted as a lost worker,
+                        `server/workers_lost`); the accepted ones go to the algorithm's
+                        `aggregate`, never the others
     configure_evaluate  every client, on the eval.every cadence (and the last round)
     aggregate_evaluate  writes the round's rows (one per client, one `server` row) and the
                         server checkpoint (theta + the server's state) on checkpoint.every
