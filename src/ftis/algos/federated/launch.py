@@ -321,14 +321,16 @@ def simulate(
     handled by `stop` (as SIGINT is) and not by the handler ray.init installs (sys.exit in the
     middle of a round: no checkpoint, an abort); on the way out Ray is shut down and every
     process it left (its raylet, GCS and client workers, orphaned or not) is ended."""
+    sim = cfg.algorithm.simulation  # type: ignore[attr-defined]
+    config = backend_config(cfg)
     if engine is not None:
-        with stop.installed():
+        with _quiet(sim.verbose), stop.installed():
             engine(
                 server_app=server_app,
                 client_app=client_app,
                 num_supernodes=len(cfg.nodes),
-                backend_config=backend_config(cfg),
-                verbose_logging=cfg.algorithm.simulation.verbose,  # type: ignore[attr-defined]
+                backend_config=config,
+                verbose_logging=sim.verbose,
             )
         return
     from flwr.simulation import run_simulation
@@ -336,8 +338,6 @@ def simulate(
     from ftis.algos.federated.workers import restarting_workers
     from ftis.launch.stop import reaping_orphans
 
-    sim = cfg.algorithm.simulation  # type: ignore[attr-defined]
-    config = backend_config(cfg)
     with _quiet(sim.verbose), reaping_orphans(what="Ray"), restarting_workers():
         try:
             _start_ray(config["init_args"])
@@ -384,9 +384,12 @@ def backend_config(cfg: RunConfig) -> dict[str, Any]:
 
 def _start_ray(init_args: dict[str, Any]) -> None:
     """ray.init as Flower's Ray backend calls it (which then finds Ray running and leaves it):
-    the workers import this process's modules through PYTHONPATH."""
+    the workers import this process's modules through PYTHONPATH. The SIGTERM handler that
+    ray.init installs (sys.exit) is replaced by the one that was there before."""
     import os
+    import signal
     import sys
+    import threading
 
     import ray
 
@@ -396,4 +399,8 @@ def _start_ray(init_args: dict[str, Any]) -> None:
     if os.environ.get("PYTHONPATH"):
         pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
     os.environ["PYTHONPATH"] = pythonpath
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
     ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **init_args)
+    if main and previous is not None:
+        signal.signal(signal.SIGTERM, previous)
