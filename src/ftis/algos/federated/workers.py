@@ -53,6 +53,8 @@ def _backend_class() -> type:
             try:
                 _, out, updated = ray.get(future)
             except lost:
+                # Flower 1.42's BasicActorPool: `_future_to_actor` maps a call to its actor,
+                # `pool` lists the idle actors
                 actor = pool._future_to_actor.pop(future)
                 if _wait_until_ready(actor):
                     pool.pool.append(actor)
