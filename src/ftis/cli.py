@@ -207,11 +207,14 @@ def _resumable_config(run_dir: Path, overrides: list[str]):
 
 
 def _finish(run_dir: Path) -> None:
-    from ftis.report import load_rows, summary_table, write_report
+    from ftis.report import federated_lines, load_rows, summary_table, write_report
 
     report = write_report(run_dir)
-    header, body = summary_table(load_rows(run_dir))
+    rows = load_rows(run_dir)
+    header, body = summary_table(rows)
     _print_table(header, body, title=f"ftis run {run_dir.name}")
+    for line in federated_lines(rows)[:1]:
+        console.print(line)
     console.print(f"report: {report}")
 
 

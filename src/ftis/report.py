@@ -62,9 +62,10 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         mine = [r for r in rows if r.get("node") == node]
         s: dict[str, Any] = {"node": node, "steps": max(r["step"] for r in mine)}
         for split in eval_splits(rows):
-            _steps, vals = _series(rows, node, f"eval/{split}/accuracy")
+            steps, vals = _series(rows, node, f"eval/{split}/accuracy")
             if vals:
                 s[f"{split}_before"], s[f"{split}_after"] = vals[0], vals[-1]
+                s.update(_same_clients(rows, node, split, steps[0], steps[-1]))
         agg: dict[str, list[float]] = defaultdict(list)
         for r in mine:
             for k in (
@@ -84,6 +85,44 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             s["seconds"] = sum(times)
         out.append(s)
     return out
+
+
+def _same_clients(
+    rows: list[dict[str, Any]], node: str, split: str, first: int, last: int
+) -> dict[str, Any]:
+    """A node whose accuracy is a union over clients (its rows carry `eval/clients`: a
+    federated server) compares before and after on the same clients: when the clients that
+    evaluated at the first and the last evaluation differ (a client lost, a failed
+    evaluation), both become the union over the clients evaluated at both (weighted by
+    `eval/size`), and `<split>_clients` says how many of how many. {} otherwise."""
+    key = f"eval/{split}/accuracy"
+    mine = {r["step"]: r for r in rows if r.get("node") == node}
+    if "eval/clients" not in mine.get(first, {}) and "eval/clients" not in mine.get(last, {}):
+        return {}
+
+    def at(step: int) -> dict[str, dict[str, Any]]:
+        return {
+            r["node"]: r
+            for r in rows
+            if r.get("step") == step and r.get("node") != node and r.get(key) is not None
+        }
+
+    before, after = at(first), at(last)
+    if set(before) == set(after) or first == last:
+        return {}
+    common = [n for n in before if n in after]
+    if not common:
+        return {f"{split}_before": None, f"{split}_after": None, f"{split}_clients": (0, 0)}
+
+    def union(evals: dict[str, dict[str, Any]]) -> float:
+        weights = [float(evals[n].get("eval/size", 1.0)) for n in common]
+        return sum(w * float(evals[n][key]) for w, n in zip(weights, common)) / sum(weights)
+
+    return {
+        f"{split}_before": union(before),
+        f"{split}_after": union(after),
+        f"{split}_clients": (len(common), len(set(before) | set(after))),
+    }
 
 
 def _fmt(v: Any, pct: bool = False) -> str:
@@ -128,7 +167,10 @@ def summary_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]
         line: list[str | None] = [s["node"]]
         for sp in splits:
             before, after = s.get(f"{sp}_before"), s.get(f"{sp}_after")
-            line.append(None if before is None else f"{_fmt(before, True)} -> {_fmt(after, True)}")
+            cell = None if before is None else f"{_fmt(before, True)} -> {_fmt(after, True)}"
+            if cell is not None and f"{sp}_clients" in s:  # the same clients before and after
+                cell += " (the {} of {} clients evaluated at both)".format(*s[f"{sp}_clients"])
+            line.append(cell)
         line += [
             _opt(s.get("loss/filtered_frac"), True),
             _opt(s.get("exchange/bytes_per_token")),
@@ -231,6 +273,7 @@ def write_report(run_dir: Path) -> Path:
     lines.append("")
     if (run_dir / "accuracy.png").exists():
         lines += ["![accuracy](accuracy.png)", ""]
+    lines += federated_lines(rows)
     lines += _algorithm_section(rows, run_dir)
     if (run_dir / "training.png").exists():
         lines += ["![training](training.png)", ""]
@@ -276,6 +319,28 @@ def samples_section(run_dir: Path) -> list[str]:
         "",
     ]
     return lines
+
+
+def federated_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """A federated run's server figures (its `server` rows): rounds, replies rejected and
+    dropped, client workers lost (and restarted); [] for other runs."""
+    server = sorted(
+        (r for r in rows if r.get("node") == "server" and r.get("step", 0) > 0),
+        key=lambda r: r["step"],
+    )
+    if not server or not any("server/workers_lost_total" in r for r in server):
+        return []
+    last = server[-1]
+
+    # totals are running counts: the last row has them (FGRPO: server/*, FedDPO: fed/*)
+    rejected = int(last.get("server/rejected_total", last.get("fed/rejected_total", 0)))
+    dropped = int(last.get("server/dropped_total", last.get("fed/dropped_total", 0)))
+    lost = int(last.get("server/workers_lost_total", 0))
+    return [
+        f"Federated server: {len(server)} rounds; {rejected} client replies rejected, "
+        f"{dropped} dropped; {lost} client workers lost (each restarted for the next round).",
+        "",
+    ]
 
 
 def _algorithm_section(rows: list[dict[str, Any]], run_dir: Path) -> list[str]:

@@ -11,16 +11,11 @@ reports their errors. On Linux a node also gets SIGTERM when the parent dies, ev
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,10 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ftis.config import RunConfig
 from ftis.exchange.store import HOSTED_ENV, SECRET_ENV, Signer, host_store, mark_left, new_secret
-
-INTERRUPTED = 130
-GRACE_S = 120.0  # how long stopped nodes may take to checkpoint before they are killed
-_PR_SET_PDEATHSIG = 1
+from ftis.launch.stop import INTERRUPTED, StopSignals, die_with_parent
 
 
 class LaunchError(RuntimeError):
@@ -85,71 +77,6 @@ def worker_command(run_dir: Path, *, resume: bool = False) -> list[str]:
     return cmd + (["--resume"] if resume else [])
 
 
-class _Stop:
-    """SIGINT and SIGTERM to the launcher (Ctrl-C, `kill`, `docker stop`, a job scheduler): the
-    handler only records them; the watch loop passes each on to every live node, then kills the
-    nodes still running GRACE_S after the first."""
-
-    def __init__(self) -> None:
-        self.pending: list[int] = []
-        self.deadline: float | None = None
-
-    def __call__(self, signum: int, frame=None) -> None:
-        self.pending.append(signum)
-        if self.deadline is None:
-            self.deadline = time.monotonic() + GRACE_S
-
-    @property
-    def requested(self) -> bool:
-        return self.deadline is not None
-
-    def forward(self, procs: list[subprocess.Popen]) -> None:
-        while self.pending:
-            sig = self.pending.pop(0)
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(sig)
-        if self.deadline is not None and time.monotonic() > self.deadline:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        """Handle SIGINT and SIGTERM (unless ignored, as in a background job) until exit."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-        replaced = {s: h for s, h in previous.items() if h not in (signal.SIG_IGN, None)}
-        for s in replaced:
-            signal.signal(s, self)
-        try:
-            yield
-        finally:
-            for s, h in replaced.items():
-                signal.signal(s, h)
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """Linux: a preexec_fn that has the kernel send the node SIGTERM (it checkpoints and stops)
-    when the launcher dies, even by SIGKILL, which cannot be forwarded. None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent, sigterm = os.getpid(), int(signal.SIGTERM)
-
-    def preexec() -> None:  # in the child, between fork and exec
-        prctl(_PR_SET_PDEATHSIG, sigterm)
-        if os.getppid() != parent:  # the launcher died before prctl took effect
-            os._exit(INTERRUPTED)
-
-    return preexec
-
-
 def run_multi(
     cfg: RunConfig, run_dir: Path, *, console: Console | None = None, resume: bool = False
 ) -> MultiResult:
@@ -190,8 +117,8 @@ def run_multi(
     result = MultiResult()
     procs: list[subprocess.Popen] = []
     log_files = []
-    stop = _Stop()
-    preexec = _die_with_parent()
+    stop = StopSignals()
+    preexec = die_with_parent()
     try:
         with (
             stop.installed(),

@@ -24,6 +24,7 @@ message on the data owner's machine, its client named by the SuperNode's node co
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -46,6 +47,7 @@ from ftis.algos.federated.records import (
     to_numpy,
 )
 from ftis.config import RunConfig
+from ftis.launch.stop import exit_with
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +92,13 @@ def make_client_app(
     # process (the in-process engine) may have another config, so the key includes it.
     run_key = f"{run_dir}:{hash(cfg.model_dump_json())}"
     plan = faults or FaultPlan()
+    launcher = os.getpid()  # where the app is made; a worker (Ray's) exits when it is gone
 
     def client_for(context: Context) -> FederatedClient:
         rank = client_rank(cfg, context)
         key = (run_key, cfg.nodes[rank].name)
         if key not in _CLIENTS:
+            exit_with(launcher)
             if threads:
                 torch.set_num_threads(threads)
             base = base_dir() if callable(base_dir) else base_dir
@@ -116,6 +120,7 @@ def make_client_app(
         config = dict(msg.content[CONFIG])
         r = int(config[ROUND_KEY])
         check_alive(client.name, r)
+        plan.before_round(client.name, r)
         params = read_params(msg.content[ARRAYS], _reference(client))
         tensors, metrics, state = client.fit(params, r, config)
         arrays = to_numpy(tensors)

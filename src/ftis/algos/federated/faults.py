@@ -12,17 +12,25 @@ A fault replaces what an honest client would send in one round:
     nan-performance   the performance signal is NaN (FGRPO)
     bad-count         the sample count (num-examples) is -1
     drop              the client fails the round (its ClientApp raises: Flower replies an error)
+    kill-worker       the process running the client's round dies (SIGKILL, as the kernel's
+                      out-of-memory killer would): under Flower's simulation a Ray worker is
+                      lost mid-round (in process, where that would kill the test: a 'drop')
 
 Each must be rejected by the server for that round (or counted as dropped), never aggregated.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 FAULT_KINDS = (
     "nan-delta",
@@ -32,6 +40,7 @@ FAULT_KINDS = (
     "nan-performance",
     "bad-count",
     "drop",
+    "kill-worker",
 )
 
 
@@ -44,6 +53,7 @@ class FaultPlan:
     """(client name, round) -> fault kind."""
 
     faults: Mapping[tuple[str, int], str] = field(default_factory=dict)
+    origin_pid: int = field(default_factory=os.getpid)  # the process that made the plan
 
     def __post_init__(self) -> None:
         bad = sorted({k for k in self.faults.values() if k not in FAULT_KINDS})
@@ -53,11 +63,22 @@ class FaultPlan:
     def kind(self, client: str, round_: int) -> str | None:
         return self.faults.get((client, round_))
 
+    def before_round(self, client: str, round_: int) -> None:
+        """Apply the faults that strike before the client's work ('kill-worker')."""
+        if self.kind(client, round_) != "kill-worker":
+            return
+        if os.getpid() == self.origin_pid:  # the client runs in the test's own process
+            raise InjectedDropout("injected fault: kill-worker (in process: a dropout)")
+        log.warning("injected fault: killing the worker (pid %d) of client %s", os.getpid(), client)
+        os.kill(os.getpid(), signal.SIGKILL)
+
 
 def corrupt(kind: str, arrays: dict[str, np.ndarray], metrics: dict[str, Any]) -> None:
     """Apply fault `kind` to a client's outgoing arrays and metrics, in place (or raise
     InjectedDropout for 'drop')."""
     name = sorted(arrays)[0]
+    if kind == "kill-worker":  # struck before the round (FaultPlan.before_round)
+        return
     if kind == "drop":
         raise InjectedDropout("injected fault: the client drops out of this round")
     if kind == "nan-delta":

@@ -10,7 +10,9 @@ algorithm (`run_flower`), and the pieces any server-side run shares (`server_set
 `ftis run` reaches this through the algorithm registry (`launcher=`), not ftis's own launcher:
 `ftis.algos.fgrpo.launch.run_federated` and `ftis.algos.dpo.fed.run_fed_dpo` call it. Ctrl-C /
 SIGTERM: the round in flight finishes, the server checkpoints it, the remaining rounds are
-skipped and KeyboardInterrupt is raised (the CLI then says how to resume).
+skipped, Ray is shut down and every process it left is ended, and KeyboardInterrupt is raised
+(the CLI then says how to resume): the stop protocol of ftis.launch.stop. A client worker whose
+process dies is restarted for the next round (ftis.algos.federated.workers).
 """
 
 from __future__ import annotations
@@ -242,7 +244,10 @@ def run_flower(
 
     names = [n.name for n in cfg.nodes]
     t0 = time.perf_counter()
+    from ftis.launch.stop import interrupt_on_sigterm
+
     with (
+        interrupt_on_sigterm(),  # until the simulation's own handler: SIGTERM acts as Ctrl-C
         one_torch_thread(),
         server_setup(
             cfg, run_dir, label=label, console=console, resume=resume, info_key=info_key
@@ -311,13 +316,60 @@ def _quiet(verbose: bool) -> Iterator[None]:
 def simulate(
     cfg: RunConfig, *, server_app: Any, client_app: Any, stop: Any, engine: Engine | None
 ) -> None:
-    """Flower's simulation engine (or `engine`) with Ray kept small and quiet."""
-    if engine is None:
-        from flwr.simulation import run_simulation as engine
+    """Flower's simulation engine (or `engine`) with Ray kept small and quiet, under the stop
+    protocol (ftis.launch.stop): Ray is started here, before Flower would, so that SIGTERM is
+    handled by `stop` (as SIGINT is) and not by the handler ray.init installs (sys.exit in the
+    middle of a round: no checkpoint, an abort); on the way out Ray is shut down and every
+    process it left (its raylet, GCS and client workers, orphaned or not) is ended."""
+    sim = cfg.algorithm.simulation  # type: ignore[attr-defined]
+    config = backend_config(cfg)
+    if engine is not None:
+        with _quiet(sim.verbose), stop.installed():
+            engine(
+                server_app=server_app,
+                client_app=client_app,
+                num_supernodes=len(cfg.nodes),
+                backend_config=config,
+                verbose_logging=sim.verbose,
+            )
+        return
+    from flwr.simulation import run_simulation
+
+    from ftis.algos.federated.workers import restarting_workers
+    from ftis.launch.stop import reaping_orphans
+
+    with _quiet(sim.verbose), reaping_orphans(what="Ray"), restarting_workers():
+        try:
+            _start_ray(config["init_args"])
+            with stop.installed():
+                run_simulation(
+                    server_app=server_app,
+                    client_app=client_app,
+                    num_supernodes=len(cfg.nodes),
+                    backend_config=config,
+                    verbose_logging=sim.verbose,
+                )
+        finally:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
+
+
+def backend_config(cfg: RunConfig) -> dict[str, Any]:
+    """Flower's Ray backend config: `client_cpus`/`client_gpus` per client worker (a Ray actor,
+    restarted by Ray when its process dies: ftis.algos.federated.workers), Ray itself limited to
+    `num_cpus`, no dashboard, logs at ERROR unless verbose."""
+    from ftis.algos.federated.workers import MAX_WORKER_RESTARTS
 
     sim = cfg.algorithm.simulation  # type: ignore[attr-defined]
-    backend_config = {
-        "client_resources": {"num_cpus": sim.client_cpus, "num_gpus": sim.client_gpus},
+    config: dict[str, Any] = {
+        "client_resources": {
+            "num_cpus": sim.client_cpus,
+            "num_gpus": sim.client_gpus,
+            # passed on to the actor's options(): Ray restarts a worker whose process died
+            "max_restarts": MAX_WORKER_RESTARTS,
+        },
         "init_args": {
             "num_cpus": sim.num_cpus,
             "include_dashboard": False,
@@ -326,12 +378,29 @@ def simulate(
         },
     }
     if sim.client_gpus == 0:  # else Ray finds the GPUs itself
-        backend_config["init_args"]["num_gpus"] = 0
-    with _quiet(sim.verbose), stop.installed():
-        engine(
-            server_app=server_app,
-            client_app=client_app,
-            num_supernodes=len(cfg.nodes),
-            backend_config=backend_config,
-            verbose_logging=sim.verbose,
-        )
+        config["init_args"]["num_gpus"] = 0
+    return config
+
+
+def _start_ray(init_args: dict[str, Any]) -> None:
+    """ray.init as Flower's Ray backend calls it (which then finds Ray running and leaves it):
+    the workers import this process's modules through PYTHONPATH. The SIGTERM handler that
+    ray.init installs (sys.exit) is replaced by the one that was there before."""
+    import os
+    import signal
+    import sys
+    import threading
+
+    import ray
+
+    if ray.is_initialized():
+        return
+    pythonpath = os.pathsep.join(sys.path)
+    if os.environ.get("PYTHONPATH"):
+        pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
+    os.environ["PYTHONPATH"] = pythonpath
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **init_args)
+    if main and previous is not None:
+        signal.signal(signal.SIGTERM, previous)

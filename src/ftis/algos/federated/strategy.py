@@ -17,8 +17,10 @@ and overrides:
     aggregate_train     each reply is checked on its own (`read_train_reply`: names, shapes,
                         dtype, finite values, a positive count, the sender's identity, and
                         whatever the algorithm adds); a bad one is rejected and counted, an
-                        error reply or a missing one is a dropout; the accepted ones go to the
-                        algorithm's `aggregate`, never the others
+                        error reply or a missing one is a dropout (one saying that the worker
+                        process running the client died is also counted as a lost worker,
+                        `server/workers_lost`); the accepted ones go to the algorithm's
+                        `aggregate`, never the others
     configure_evaluate  every client, on the eval.every cadence (and the last round)
     aggregate_evaluate  writes the round's rows (one per client, one `server` row) and the
                         server checkpoint (theta + the server's state) on checkpoint.every
@@ -127,6 +129,8 @@ class FederatedStrategy(FedAvg):
         self.saved_round = first_round - 1 if resumed else -1  # the last round checkpointed
         self.t_start = time.perf_counter()
         self._rows: dict[str, dict[str, Any]] = {}  # the round's client rows, until written
+        self._lost: set[str] = set()  # the clients whose worker died this round
+        self._eval_round = 0
         self._server_row: dict[str, Any] = {}
         self._sampled: list[str] = []
         self._round_t0 = 0.0
@@ -294,6 +298,9 @@ class FederatedStrategy(FedAvg):
                 dropped += 1
                 errors.append(short(msg.error.reason))
                 row[f"{p}/dropped"] = 1.0
+                if worker_lost(msg.error.reason):
+                    self._worker_lost(r, name)
+                    continue
                 log.warning("round %d: client %s dropped out: %s", r, name, short(msg.error.reason))
                 log.debug("client %s's error in full: %s", name, msg.error.reason)
                 continue
@@ -359,6 +366,7 @@ class FederatedStrategy(FedAvg):
         return round_ == self.total or bool(every and round_ % every == 0)
 
     def _evaluate_messages(self, round_: int, names: list[str]) -> list[Message]:
+        self._eval_round = round_
         theta = array_record(to_numpy(self.server.params))
         return [
             Message(
@@ -400,6 +408,9 @@ class FederatedStrategy(FedAvg):
                 continue
             if msg.has_error():
                 errors.append(short(msg.error.reason))
+                if worker_lost(msg.error.reason):
+                    self._worker_lost(self._eval_round, name)
+                    continue
                 log.warning("client %s failed its evaluation: %s", name, short(msg.error.reason))
                 continue
             metrics = msg.content.get(METRICS)
@@ -416,10 +427,28 @@ class FederatedStrategy(FedAvg):
             raise LaunchError(f"no client could evaluate the initial model; one said: {errors[0]}")
         return out
 
+    def _worker_lost(self, r: int, name: str) -> None:
+        """The process that ran client `name`'s work died (killed, out of memory): Flower's Ray
+        backend restarts it (`max_restarts`), so the client is back for the next round; the
+        loss is counted (`server/workers_lost`) and said."""
+        self._lost.add(name)
+        log.warning(
+            "round %d: the worker running client %s died; it is restarted for the next round",
+            r,
+            name,
+        )
+
     def _finish_round(self, r: int, evals: dict[str, dict[str, float]]) -> dict[str, float]:
         """Write round r's rows (clients in config order, then the server) and checkpoint."""
         rows = self._rows if r > 0 else {n: {} for n in self.names}
         server = dict(self._server_row) if r > 0 else {}
+        totals = self.server.totals
+        totals["workers_lost_total"] = totals.get("workers_lost_total", 0.0) + len(self._lost)
+        server["server/workers_lost"] = float(len(self._lost))
+        server["server/workers_lost_total"] = totals["workers_lost_total"]
+        for name in self._lost:
+            rows.setdefault(name, {})[f"{self.prefix}/worker_lost"] = 1.0
+        self._lost = set()
         for name, m in evals.items():
             rows.setdefault(name, {}).update(m)
         union = union_metrics(evals)
@@ -477,6 +506,18 @@ def union_metrics(evals: dict[str, dict[str, float]]) -> dict[str, float]:
             out[k] = sum(w * v for w, v in pairs) / total
     out["eval/clients"] = float(len(evals))
     return out
+
+
+# How Flower's Ray backend words the error of a message whose worker process died: the type of
+# Ray's exception (ActorDiedError and ActorUnavailableError are RayActorErrors).
+WORKER_LOST_ERRORS = ("RayActorError", "ActorDiedError", "ActorUnavailableError")
+
+
+def worker_lost(reason: str | None) -> bool:
+    """Whether an error reply says the worker process running the client died (not that the
+    client failed)."""
+    head = str(reason or "").split(":<", 1)[0]
+    return any(e in head for e in WORKER_LOST_ERRORS)
 
 
 def short(reason: str | None, limit: int = 200) -> str:

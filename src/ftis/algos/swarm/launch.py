@@ -19,6 +19,7 @@ the run (NodesLostError) after the others finished.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ftis.algos.swarm.config import ChurnConfig, SwarmConfig
 from ftis.config import RunConfig
 from ftis.launch.multi import INTERRUPTED, LaunchError, MultiResult, NodesLostError
+from ftis.launch.stop import GRACE_S, die_with_parent, interrupt_on_sigterm, reaping_orphans
 from ftis.train.checkpoint import checkpoint_step
 from ftis.train.metrics import truncate_run_rows
 
@@ -145,7 +147,8 @@ def run_swarm(
             stdout=f,
             stderr=subprocess.STDOUT,
             env=env,
-            start_new_session=True,
+            start_new_session=True,  # its own process group: its DHT process and p2pd with it
+            preexec_fn=die_with_parent(),  # SIGTERM (checkpoint, goodbye) if the launcher dies
         )
         p.phase, p.rejoined = "running", rejoin
         log.info("swarm: %s %s", p.name, "rejoins" if rejoin else "joins")
@@ -162,85 +165,97 @@ def run_swarm(
         TextColumn("{task.fields[info]}"),
     ]
     stopping = False
-    try:
-        with Progress(*columns, console=console, disable=not cfg.log.progress) as progress:
-            bars = {
-                p.name: progress.add_task(p.name, total=cfg.train.steps, info="") for p in peers
-            }
-            while any(p.phase != "done" for p in peers):
-                states = {p.name: _status(run_dir, p.name) for p in peers}
-                swarm_round = max((s.get("step", 0) for s in states.values()), default=0)
-                for p in peers:
-                    s = states[p.name]
-                    if s:
-                        acc = s.get("eval/accuracy")
-                        progress.update(
-                            bars[p.name],
-                            completed=s.get("step", 0),
-                            info=f"{p.phase} acc {100 * acc:.1f}%" if acc is not None else p.phase,
-                        )
-                    if stopping:
-                        if p.phase == "waiting" or p.phase == "away":
-                            p.phase, p.code = "done", INTERRUPTED
-                    elif p.phase == "waiting" and (swarm_round >= p.churn.join_at or idle()):
-                        start(p, rejoin=False)
-                    elif (
-                        p.phase == "away"
-                        and p.churn.rejoin_at is not None
-                        and (swarm_round >= p.churn.rejoin_at or idle())
-                    ):
-                        start(p, rejoin=True)
-                    elif p.phase == "away" and p.churn.rejoin_at is None:
-                        p.phase = "done"
-                    if (
-                        p.phase == "running"
-                        and p.churn.crash
-                        and not p.rejoined
-                        and p.churn.leave_at is not None
-                        and s.get("step", 0) >= p.churn.leave_at
-                    ):
-                        p.proc.kill()  # the planned crash: no checkpoint beyond the last one, no goodbye
-                    if p.phase == "running" and p.proc.poll() is not None:
-                        code = p.proc.returncode
-                        planned = (
-                            not p.rejoined
-                            and p.churn.leave_at is not None
-                            and code in (INTERRUPTED, -signal.SIGKILL)
-                        )
-                        if planned and not stopping:
-                            p.phase, p.code = "away", 0
-                        else:
-                            p.phase, p.code = "done", code
-                        if code not in (0, INTERRUPTED) and board is not None and not planned:
-                            # it died without a goodbye (maybe before the start barrier):
-                            # say it for it, so nobody waits for it until a timeout
-                            from ftis.exchange.swarm import announce_left
-
-                            announce_left(
-                                board,
-                                f"ftis-swarm:{cfg.name}",
-                                names.index(p.name),
-                                ttl_s=a.member_ttl_s,
+    # the orphans of the run (a p2pd whose peer died first) are adopted here and ended at the end
+    # SIGTERM stops the swarm as Ctrl-C does (a second one while the peers checkpoint: at once)
+    with reaping_orphans(what="swarm"), interrupt_on_sigterm():
+        try:
+            with Progress(*columns, console=console, disable=not cfg.log.progress) as progress:
+                bars = {
+                    p.name: progress.add_task(p.name, total=cfg.train.steps, info="") for p in peers
+                }
+                while any(p.phase != "done" for p in peers):
+                    states = {p.name: _status(run_dir, p.name) for p in peers}
+                    swarm_round = max((s.get("step", 0) for s in states.values()), default=0)
+                    for p in peers:
+                        s = states[p.name]
+                        if s:
+                            acc = s.get("eval/accuracy")
+                            progress.update(
+                                bars[p.name],
+                                completed=s.get("step", 0),
+                                info=f"{p.phase} acc {100 * acc:.1f}%"
+                                if acc is not None
+                                else p.phase,
                             )
-                time.sleep(POLL_S)
-    except KeyboardInterrupt:
-        stopping = True
-        for p in peers:
-            if p.proc is not None and p.proc.poll() is None:
-                p.proc.send_signal(signal.SIGINT)
-        for p in peers:
-            if p.proc is not None:
-                p.proc.wait()
-        raise
-    finally:
-        for p in peers:
-            if p.proc is not None and p.proc.poll() is None:
-                p.proc.kill()
-                p.proc.wait()
-        for f in files:
-            f.close()
-        if board is not None:
-            board.close()
+                        if stopping:
+                            if p.phase == "waiting" or p.phase == "away":
+                                p.phase, p.code = "done", INTERRUPTED
+                        elif p.phase == "waiting" and (swarm_round >= p.churn.join_at or idle()):
+                            start(p, rejoin=False)
+                        elif (
+                            p.phase == "away"
+                            and p.churn.rejoin_at is not None
+                            and (swarm_round >= p.churn.rejoin_at or idle())
+                        ):
+                            start(p, rejoin=True)
+                        elif p.phase == "away" and p.churn.rejoin_at is None:
+                            p.phase = "done"
+                        if (
+                            p.phase == "running"
+                            and p.churn.crash
+                            and not p.rejoined
+                            and p.churn.leave_at is not None
+                            and s.get("step", 0) >= p.churn.leave_at
+                        ):
+                            p.proc.kill()  # the planned crash: no checkpoint beyond the last one, no goodbye
+                        if p.phase == "running" and p.proc.poll() is not None:
+                            code = p.proc.returncode
+                            planned = (
+                                not p.rejoined
+                                and p.churn.leave_at is not None
+                                and code in (INTERRUPTED, -signal.SIGKILL)
+                            )
+                            if planned and not stopping:
+                                p.phase, p.code = "away", 0
+                            else:
+                                p.phase, p.code = "done", code
+                            if code not in (0, INTERRUPTED) and board is not None and not planned:
+                                # it died without a goodbye (maybe before the start barrier):
+                                # say it for it, so nobody waits for it until a timeout
+                                from ftis.exchange.swarm import announce_left
+
+                                announce_left(
+                                    board,
+                                    f"ftis-swarm:{cfg.name}",
+                                    names.index(p.name),
+                                    ttl_s=a.member_ttl_s,
+                                )
+                    time.sleep(POLL_S)
+        except KeyboardInterrupt:
+            stopping = True
+            for p in peers:
+                if p.proc is not None and p.proc.poll() is None:
+                    p.proc.send_signal(signal.SIGINT)
+            deadline = time.monotonic() + GRACE_S
+            for p in peers:  # each checkpoints its last round and says goodbye
+                if p.proc is not None:
+                    try:
+                        p.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        log.warning("swarm: %s did not stop within %.0f s: killed", p.name, GRACE_S)
+            raise
+        finally:
+            for p in peers:
+                if p.proc is not None:
+                    if p.proc.poll() is None:
+                        p.proc.kill()
+                        p.proc.wait()
+                    with contextlib.suppress(OSError):  # its DHT process and p2pd, if left
+                        os.killpg(p.proc.pid, signal.SIGKILL)
+            for f in files:
+                f.close()
+            if board is not None:
+                board.close()
     for p in peers:
         result.exit_codes[p.name] = p.code if p.code is not None else 0
         err = logs / f"{p.name}.error"

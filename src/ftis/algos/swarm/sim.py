@@ -36,6 +36,7 @@ from ftis.config import RunConfig
 from ftis.exchange.swarm import SwarmSettings, SwarmTransport
 from ftis.exchange.swarm_sim import Scheduler, SimBoard, SimTask
 from ftis.launch.multi import INTERRUPTED, LaunchError, MultiResult, NodesLostError
+from ftis.launch.stop import interrupt_on_sigterm
 from ftis.train.checkpoint import checkpoint_step
 from ftis.train.loop import SimulatedCrash, StopFlag, train_node
 from ftis.train.metrics import truncate_run_rows
@@ -195,7 +196,10 @@ def run_sim(
         TimeElapsedColumn(),
         TextColumn("{task.fields[info]}"),
     ]
-    with Progress(*columns, console=console, disable=not cfg.log.progress) as bar:
+    with (
+        interrupt_on_sigterm(),  # SIGTERM stops the swarm as Ctrl-C does
+        Progress(*columns, console=console, disable=not cfg.log.progress) as bar,
+    ):
         bars = {p.name: bar.add_task(p.name, total=cfg.train.steps, info="") for p in peers}
         try:
             sched.run(between)
