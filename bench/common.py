@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -79,11 +80,34 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def environment() -> dict[str, str]:
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The CPU's name from the first 'model name' line of `cpuinfo`; None where there is no such
+    file or line (not Linux, some ARM kernels)."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "model name" and value.strip():
+            return " ".join(value.split())
+    return None
+
+
+def environment() -> dict[str, str | None]:
+    """What a benchmark's numbers depend on besides the code: versions, threads, the CPU (its
+    model and the instruction set torch's kernels use here: DEFAULT, AVX2, AVX512, ...) and the
+    ftis commit that ran (None outside a git checkout; '+dirty' with uncommitted changes under
+    src/)."""
+    from ftis.study.runner import code_version
+
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "threads": str(torch.get_num_threads()),
         "cpus": str(os.cpu_count()),
         "machine": platform.machine(),
+        "cpu_model": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "commit": code_version(),
     }

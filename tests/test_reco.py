@@ -256,3 +256,18 @@ def test_the_shipped_reco_config():
     assert cfg.nodes[0].loss.method in ("reco", "f-reco")
     assert 64 in cfg.eval.pass_k and cfg.eval.pass_samples >= 64
     assert cfg.train.update_epochs * cfg.train.mini_batches > 1  # the token ratio can act
+
+
+def test_the_reco_configs_grpo_baseline_differs_in_the_loss_method_alone():
+    """configs/reco.yaml's header gives its GRPO baseline as `--set nodes.0.loss.method=vis`:
+    every other setting (warm start, reuse, seeds, evaluation) is the same."""
+    text = (ROOT / "configs" / "reco.yaml").read_text()
+    assert "ftis run configs/reco.yaml --set nodes.0.loss.method=vis" in text
+    reco = load_config(ROOT / "configs" / "reco.yaml").model_dump()
+    grpo = load_config(ROOT / "configs" / "reco.yaml", ["nodes.0.loss.method=vis"]).model_dump()
+    assert (reco["nodes"][0]["loss"]["method"], grpo["nodes"][0]["loss"]["method"]) == (
+        "reco",
+        "vis",
+    )
+    grpo["nodes"][0]["loss"]["method"] = "reco"
+    assert grpo == reco

@@ -370,6 +370,59 @@ def test_summary_drops_a_column_no_node_has_and_shows_dash_where_one_lacks_it() 
     ]
 
 
+def test_summary_shows_pass_at_k_in_order_of_k_and_dash_where_a_node_lacks_it(
+    tmp_path: Path,
+) -> None:
+    # pass@16 is logged before pass@4 and only at the later steps of a: columns go by k (4 < 16,
+    # not as strings), before is a node's first value of that k, after its last
+    rows = [
+        {"step": 0, "node": "a", "eval/test/accuracy": 0.5, "eval/pass@4": 0.5},
+        {"step": 0, "node": "b", "eval/test/accuracy": 0.25},
+        {"step": 5, "node": "a", "eval/pass@16": 0.75, "eval/pass@4": 0.625},
+        {"step": 9, "node": "a", "eval/pass@16": 0.875, "eval/pass@4": None},
+        {"step": 9, "node": "b", "eval/test/accuracy": 0.5},
+    ]
+    header, body = summary_table(rows)
+    assert header == [
+        "node",
+        "test acc before -> after",
+        "pass@4 before -> after",
+        "pass@16 before -> after",
+    ]
+    assert body == [
+        ["a", "50.0% -> 50.0%", "50.0% -> 62.5%", "75.0% -> 87.5%"],
+        ["b", "25.0% -> 50.0%", "-", "-"],
+    ]
+    report = write_report(_run(tmp_path, "ftis", rows)).read_text()
+    assert "| a | 50.0% -> 50.0% | 50.0% -> 62.5% | 75.0% -> 87.5% |" in report
+    assert "pass@k is the unbiased estimate" in report
+
+
+def test_a_federated_servers_pass_at_k_compares_the_same_clients() -> None:
+    """Client b (16 problems) evaluated at step 0 only; a (16) and c (32) at both. pass@4 over
+    a and c: before (16 * 0.25 + 32 * 0.75) / 48 = 28/48 = 58.3%, after (16 * 0.5 + 32 * 1.0)
+    / 48 = 40/48 = 83.3% (the server's own step-0 figure, 0.5, counts b)."""
+    rows = [
+        {"node": "a", "step": 0, "eval/pass@4": 0.25, "eval/size": 16},
+        {"node": "b", "step": 0, "eval/pass@4": 0.5, "eval/size": 16},
+        {"node": "c", "step": 0, "eval/pass@4": 0.75, "eval/size": 32},
+        {"node": "server", "step": 0, "eval/pass@4": 0.5, "eval/clients": 3},
+        {"node": "a", "step": 2, "eval/pass@4": 0.5, "eval/size": 16},
+        {"node": "c", "step": 2, "eval/pass@4": 1.0, "eval/size": 32},
+        {"node": "server", "step": 2, "eval/pass@4": 40 / 48, "eval/clients": 2},
+    ]
+    _, body = summary_table(rows)
+    cell = next(line for line in body if line[0] == "server")[1]
+    assert cell == "58.3% -> 83.3% (the 2 of 3 clients evaluated at both)"
+
+
+def test_summary_without_pass_at_k_has_no_pass_column_nor_note(tmp_path: Path) -> None:
+    rows = [{"step": 0, "node": "a", "eval/test/accuracy": 0.5, "eval/pass@8": None}]
+    header, _ = summary_table(rows)
+    assert header == ["node", "test acc before -> after"]
+    assert "pass@k" not in write_report(_run(tmp_path, "ftis", rows)).read_text()
+
+
 def test_summary_in_report_md_has_no_column_without_data(tmp_path: Path) -> None:
     rows = [
         {"step": 0, "node": "a", "eval/test/accuracy": 0.5},

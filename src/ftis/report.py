@@ -65,7 +65,12 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             steps, vals = _series(rows, node, f"eval/{split}/accuracy")
             if vals:
                 s[f"{split}_before"], s[f"{split}_after"] = vals[0], vals[-1]
-                s.update(_same_clients(rows, node, split, steps[0], steps[-1]))
+                s.update(_same_clients(rows, node, f"eval/{split}/accuracy", split, steps))
+        for k in pass_ks(rows):
+            steps, vals = _series(rows, node, f"eval/pass@{k}")
+            if vals:
+                s[f"pass@{k}_before"], s[f"pass@{k}_after"] = vals[0], vals[-1]
+                s.update(_same_clients(rows, node, f"eval/pass@{k}", f"pass@{k}", steps))
         agg: dict[str, list[float]] = defaultdict(list)
         for r in mine:
             for k in (
@@ -87,15 +92,21 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def pass_ks(rows: list[dict[str, Any]]) -> list[int]:
+    """The k of every `eval/pass@k` the rows hold, in increasing order."""
+    keys = {k for r in rows for k, v in r.items() if k.startswith("eval/pass@") and v is not None}
+    return sorted(int(k.removeprefix("eval/pass@")) for k in keys if k[10:].isdigit())
+
+
 def _same_clients(
-    rows: list[dict[str, Any]], node: str, split: str, first: int, last: int
+    rows: list[dict[str, Any]], node: str, key: str, name: str, steps: list[int]
 ) -> dict[str, Any]:
-    """A node whose accuracy is a union over clients (its rows carry `eval/clients`: a
-    federated server) compares before and after on the same clients: when the clients that
-    evaluated at the first and the last evaluation differ (a client lost, a failed
-    evaluation), both become the union over the clients evaluated at both (weighted by
-    `eval/size`), and `<split>_clients` says how many of how many. {} otherwise."""
-    key = f"eval/{split}/accuracy"
+    """A node whose `key` (an accuracy, a pass@k) is a union over clients (its rows carry
+    `eval/clients`: a federated server) compares before and after on the same clients: when
+    the clients that evaluated at the first and the last of `steps` differ (a client lost, a
+    failed evaluation), both become the union over the clients evaluated at both (weighted by
+    `eval/size`), and `<name>_clients` says how many of how many. {} otherwise."""
+    first, last = steps[0], steps[-1]
     mine = {r["step"]: r for r in rows if r.get("node") == node}
     if "eval/clients" not in mine.get(first, {}) and "eval/clients" not in mine.get(last, {}):
         return {}
@@ -112,16 +123,16 @@ def _same_clients(
         return {}
     common = [n for n in before if n in after]
     if not common:
-        return {f"{split}_before": None, f"{split}_after": None, f"{split}_clients": (0, 0)}
+        return {f"{name}_before": None, f"{name}_after": None, f"{name}_clients": (0, 0)}
 
     def union(evals: dict[str, dict[str, Any]]) -> float:
         weights = [float(evals[n].get("eval/size", 1.0)) for n in common]
         return sum(w * float(evals[n][key]) for w, n in zip(weights, common)) / sum(weights)
 
     return {
-        f"{split}_before": union(before),
-        f"{split}_after": union(after),
-        f"{split}_clients": (len(common), len(set(before) | set(after))),
+        f"{name}_before": union(before),
+        f"{name}_after": union(after),
+        f"{name}_clients": (len(common), len(set(before) | set(after))),
     }
 
 
@@ -157,15 +168,17 @@ def summary_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]
     """Header and rows of the per-node summary, as strings (shared by report.md and the CLI).
     A node without a figure its peers have shows '-'; a figure no node has is no column."""
     splits = eval_splits(rows)
+    passes = [f"pass@{k}" for k in pass_ks(rows)]
     header = (
         ["node"]
         + [f"{s} acc before -> after" for s in splits]
+        + [f"{p} before -> after" for p in passes]
         + ["filtered", "bytes/token", "node time (s)"]
     )
     body: list[list[str | None]] = []
     for s in summarize(rows):
         line: list[str | None] = [s["node"]]
-        for sp in splits:
+        for sp in splits + passes:
             before, after = s.get(f"{sp}_before"), s.get(f"{sp}_after")
             cell = None if before is None else f"{_fmt(before, True)} -> {_fmt(after, True)}"
             if cell is not None and f"{sp}_clients" in s:  # the same clients before and after
@@ -267,6 +280,11 @@ def write_report(run_dir: Path) -> Path:
     if eval_splits(rows):
         lines.append(
             "Accuracy is greedy, on at most `eval.size` problems per split; 'before' is step 0."
+        )
+    if any(h.startswith("pass@") for h in header):
+        lines.append(
+            "pass@k is the unbiased estimate from `eval.pass_samples` samples per problem (at the "
+            "training temperature) on the first `eval.pass_problems` problems of the first split."
         )
     if "filtered" in header:
         lines.append("'filtered' is the mean fraction of sequences the F- filter zeroed per step.")
