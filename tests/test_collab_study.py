@@ -73,11 +73,21 @@ def _write_run(run_dir: Path, nodes: list[str], method: str, seed: int) -> None:
         for step in (1, 2):
             r = {"step": step, "node": n, "train/generated_tokens_total": tokens * step / 2}
             if method == "hacpo":
-                r.update({"hacpo/capability": 0.2 * step, "hacpo/discrepancy": 1.5,
-                          "hacpo/clipped_fraction": 0.25, "hacpo/peer_capability": 0.5})
+                r.update(
+                    {
+                        "hacpo/capability": 0.2 * step,
+                        "hacpo/discrepancy": 1.5,
+                        "hacpo/clipped_fraction": 0.25,
+                        "hacpo/peer_capability": 0.5,
+                    }
+                )
             if step == 2:
-                r.update({"eval/accuracy": float(np.mean(final)),
-                          "eval/test/accuracy": float(np.mean(final))})
+                r.update(
+                    {
+                        "eval/accuracy": float(np.mean(final)),
+                        "eval/test/accuracy": float(np.mean(final)),
+                    }
+                )
             rows.append(r)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run_dir / "evals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))

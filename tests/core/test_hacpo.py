@@ -191,7 +191,11 @@ def test_policy_loss_shaping_replaces_peer_token_term_only():
     # without shaping, the peer token's TIS weight is p/q = 0.1/0.9: gradient -(1/9) / 2
     lp.grad = None
     loss, _ = policy_loss(
-        lp, glp, torch.ones(2), torch.ones(2, 1, dtype=torch.bool), method="tis",
+        lp,
+        glp,
+        torch.ones(2),
+        torch.ones(2, 1, dtype=torch.bool),
+        method="tis",
         own=torch.tensor([True, False]),
     )
     loss.backward()
