@@ -441,6 +441,35 @@ def basemodels_build(
 
 
 @app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory written by `ftis run`.")],
+    node: Annotated[str, typer.Argument(help="The node to export (its name in the config).")],
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Output directory (default RUN_DIR/export/<node>-step-N)."),
+    ] = None,
+    step: Annotated[
+        int | None,
+        typer.Option("--step", help="Checkpoint step (default: the newest that verifies)."),
+    ] = None,
+) -> None:
+    """Write a node's checkpoint as a standalone Hugging Face model directory: LoRA adapters
+    merged into their base, tokenizer included; AutoModelForCausalLM.from_pretrained(OUT)
+    loads it."""
+    _setup_logging(False)
+    from ftis.config import ConfigError
+    from ftis.export import ExportError, export_node
+    from ftis.models.loading import ModelLoadError
+    from ftis.train.checkpoint import CheckpointError
+
+    try:
+        path = export_node(run_dir, node, out=out, step=step)
+    except (ExportError, ConfigError, CheckpointError, ModelLoadError) as e:
+        _fail(str(e))
+    console.print(f"exported: {path}")
+
+
+@app.command()
 def presets() -> None:
     """List the tiny built-in model presets."""
     from ftis.models.loading import ModelConfig, build_model, count_parameters
