@@ -48,3 +48,16 @@ def test_single_node_bar_is_named_by_the_algorithm_and_follows_the_total():
     bar("step", step=7, total=9, metrics={"reward/mean": 0.5})
     (task,) = progress.tasks
     assert task.description == "xs dpo" and (task.completed, task.total) == (7, 9)
+
+
+def test_tables_off_a_terminal_keep_long_names_on_one_line(capsys, monkeypatch):
+    from ftis.cli import _print_table
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    names = [f"a-rather-long-node-name-number-{i}-with-its-model-llama-m" for i in range(3)]
+    header = ["node", "accuracy at step 0", "accuracy at the end", "change", "reward", "steps"]
+    _print_table(header, [[n, "12.5%", "40.0%", "+27.5", "0.41", "60"] for n in names], "t")
+    lines = capsys.readouterr().out.splitlines()
+    for n in names:  # each name whole, on the one line that holds its row
+        (line,) = [x for x in lines if n in x]
+        assert "40.0%" in line and "…" not in line
