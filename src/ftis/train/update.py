@@ -75,6 +75,11 @@ def update(
     the loss's peer treatment (policy shaping, HACPO's peer term). peer_scale: (N,) HACPO's
     discrepancy coefficient per sequence. update_index: m, the optimizer updates already made
     on this round's batch (HACPO's stepwise clip lower bound rises with it).
+
+    loss_cfg.beta > 0 adds beta x the k3 KL to the node's reference (`Node.reference`), scored
+    without grad per micro-batch at the same temperature, averaged like the loss (docs/math.md
+    §14); every sequence then runs (zero-advantage ones have a KL gradient) and the metrics gain
+    `kl` (before beta; `loss` includes it).
     """
     tok = node.tokenizer
     n_total = batch.num_sequences
