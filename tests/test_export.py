@@ -84,3 +84,23 @@ def test_export_of_an_earlier_step_and_bad_requests(lora_run, tmp_path):
     )
     assert res.exit_code == 2 and "not empty" in res.output
     assert "Traceback" not in res.output
+
+
+def test_a_full_fine_tuned_node_exports_its_checkpoint_weights(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    data = tiny_run_config(steps=1)
+    data["eval"] = {"every": 0, "size": 8, "pass_samples": 0}
+    cfg = RunConfig.model_validate(data)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    train_node(cfg, rank=0, run_dir=run_dir)
+    res = CliRunner().invoke(app, ["export", str(run_dir), "xs"])
+    assert res.exit_code == 0, res.output
+    out = run_dir / "export" / "xs-step-000001"
+    assert json.loads((out / "ftis_export.json").read_text())["lora_merged"] is False
+    got = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    want = AutoModelForCausalLM.from_pretrained(run_dir / "nodes" / "xs" / "step-000001" / "model")
+    for k, v in want.state_dict().items():
+        assert torch.equal(got[k], v), k
