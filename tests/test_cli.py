@@ -261,7 +261,7 @@ def test_tensorboard_without_the_package_fails_before_the_run(tmp_path, monkeypa
     res = runner.invoke(
         app, ["run", _config(tmp_path), "--set", "log.tensorboard=true", "--out", str(out)]
     )
-    _one_clean_line(res, "log.tensorboard", "pip install 'ftis[tensorboard]'")
+    _one_clean_line(res, "log.tensorboard", "pip install 'ftis[tracking]'")
     assert not out.exists()  # refused before the run directory, the model or any worker
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -46,13 +47,25 @@ def _fail(msg: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def _stdout() -> Console:
+    """The console tables go to. Off a terminal (a pipe, a file, CI) rich would assume 80
+    columns and wrap or truncate node names; there it is wide (unless COLUMNS says otherwise),
+    so each row stays one line."""
+    if sys.stdout.isatty() or os.environ.get("COLUMNS"):
+        return Console()
+    return Console(width=WIDE_COLUMNS)
+
+
+WIDE_COLUMNS = 400
+
+
 def _print_table(header: list[str], body: list[list[str]], title: str) -> None:
     table = Table(title=title)
     for h in header:
         table.add_column(h)
     for row in body:
         table.add_row(*row)
-    Console().print(table)
+    _stdout().print(table)
 
 
 @app.command()
@@ -392,7 +405,7 @@ def basemodels_list() -> None:
             ", ".join(e.info.get("used_by", [])),
             state,
         )
-    Console().print(table)
+    _stdout().print(table)
     for msg in failed:
         console.print(f"[bold red]error:[/] {escape(msg)}", soft_wrap=True, highlight=False)
     if failed:
@@ -441,6 +454,35 @@ def basemodels_build(
 
 
 @app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory written by `ftis run`.")],
+    node: Annotated[str, typer.Argument(help="The node to export (its name in the config).")],
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Output directory (default RUN_DIR/export/<node>-step-N)."),
+    ] = None,
+    step: Annotated[
+        int | None,
+        typer.Option("--step", help="Checkpoint step (default: the newest that verifies)."),
+    ] = None,
+) -> None:
+    """Write a node's checkpoint as a standalone Hugging Face model directory: LoRA adapters
+    merged into their base, tokenizer included; AutoModelForCausalLM.from_pretrained(OUT)
+    loads it."""
+    _setup_logging(False)
+    from ftis.config import ConfigError
+    from ftis.export import ExportError, export_node
+    from ftis.models.loading import ModelLoadError
+    from ftis.train.checkpoint import CheckpointError
+
+    try:
+        path = export_node(run_dir, node, out=out, step=step)
+    except (ExportError, ConfigError, CheckpointError, ModelLoadError) as e:
+        _fail(str(e))
+    console.print(f"exported: {path}")
+
+
+@app.command()
 def presets() -> None:
     """List the tiny built-in model presets."""
     from ftis.models.loading import ModelConfig, build_model, count_parameters
@@ -452,7 +494,7 @@ def presets() -> None:
     for name, p in PRESETS.items():
         _, total = count_parameters(build_model(ModelConfig(preset=name)))
         table.add_row(name, p.arch, str(p.layers), str(p.hidden), f"{total / 1e6:.2f}M")
-    Console().print(table)
+    _stdout().print(table)
 
 
 def main() -> None:

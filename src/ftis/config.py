@@ -124,6 +124,14 @@ class LossConfig(_Strict):
     hacpo_window: int = Field(
         5, ge=1, description="hacpo: training steps in the capability's moving average (K)."
     )
+    beta: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="KL coefficient: beta x k3 KL to the reference model (the node's model at "
+        "step 0: its warm start, or the base under LoRA) is added to the loss (docs/math.md "
+        "§14). 0 (TRL's default) computes nothing extra.",
+    )
 
     @field_validator("shaping_gamma")
     @classmethod
@@ -134,6 +142,16 @@ class LossConfig(_Strict):
                 f"got {v}"
             )
         return v
+
+    @model_validator(mode="after")
+    def _kl_needs_zero_mode(self) -> LossConfig:
+        if self.beta > 0 and self.filter_mode == "drop":
+            raise ValueError(
+                "loss.beta > 0 needs loss.filter_mode: zero: the KL term averages over all N "
+                "sequences, while 'drop' rescales the whole gradient to the kept ones; set "
+                "loss.filter_mode=zero or loss.beta=0"
+            )
+        return self
 
     @model_validator(mode="after")
     def _shaping_needs_token_method(self) -> LossConfig:
@@ -193,6 +211,20 @@ class TrainConfig(_Strict):
     )
     max_new_tokens: int = Field(8, ge=1, description="Completion length limit.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Nucleus sampling: draw from the smallest set of tokens whose tempered "
+        "probability reaches top_p, renormalised; 1 = off. The recorded sampler log-probs are "
+        "those of the truncated distribution (docs/math.md §7.1).",
+    )
+    top_k: int = Field(
+        0,
+        ge=0,
+        description="Draw from the k most probable tokens only, renormalised; 0 = off "
+        "(docs/math.md §7.1).",
+    )
     micro_batch_size: int = Field(
         0, ge=0, description="Sequences per forward/backward; 0 = whole batch."
     )
@@ -292,7 +324,16 @@ class CheckpointConfig(_Strict):
 
 
 class LogConfig(_Strict):
-    tensorboard: bool = Field(False, description="Also write TensorBoard event files.")
+    tensorboard: bool = Field(
+        False,
+        description="Also write TensorBoard event files to RUN_DIR/tensorboard/<node> (needs "
+        "the tracking extra).",
+    )
+    wandb: bool = Field(
+        False,
+        description="Also log to Weights & Biases, one W&B run per node, files under "
+        "RUN_DIR/wandb (needs the tracking extra). Offline unless WANDB_MODE is set.",
+    )
     progress: bool = Field(True, description="Show a progress bar.")
 
 

@@ -30,7 +30,9 @@ def check_run(cfg: RunConfig) -> None:
         if node.model.path is not None:
             check_model_path(node.model.path, field=f"nodes.{i}.model.path")
     if cfg.log.tensorboard:
-        require("tensorboard", extra="tensorboard", feature="log.tensorboard: true")
+        require("tensorboard", extra="tracking", feature="log.tensorboard: true")
+    if cfg.log.wandb:
+        require("wandb", extra="tracking", feature="log.wandb: true")
     for module, extra in cfg.algorithm.required_packages():
         require(module, extra=extra, feature=f"algorithm.kind: {cfg.algorithm.kind}")
 

@@ -19,11 +19,13 @@ log = logging.getLogger(__name__)
 
 
 class ProgressBar:
-    """Turns the loop's progress events into a rich progress bar (warm start, then RL steps)."""
+    """Turns the loop's progress events into a rich progress bar (warm start, then the
+    algorithm's steps, labelled by `phase`: the algorithm's kind)."""
 
-    def __init__(self, progress: Progress, node: str) -> None:
+    def __init__(self, progress: Progress, node: str, phase: str = "RL") -> None:
         self.p = progress
         self.node = node
+        self.phase = phase
         self.warm = None
         self.rl = None
         self.acc = "-"
@@ -35,13 +37,15 @@ class ProgressBar:
             self.p.update(self.warm, completed=info["step"], info=f"loss {info['loss']:.3f}")
             return
         if self.rl is None:
-            self.rl = self.p.add_task(f"{self.node} RL", total=info["total"], info="")
+            self.rl = self.p.add_task(f"{self.node} {self.phase}", total=info["total"], info="")
         m = info["metrics"]
         if "eval/accuracy" in m:
             self.acc = f"{100 * m['eval/accuracy']:.1f}%"
         reward = m.get("reward/mean")
         reward_txt = f"reward {reward:.2f} " if reward is not None else ""
-        self.p.update(self.rl, completed=info["step"], info=f"{reward_txt}acc {self.acc}")
+        self.p.update(
+            self.rl, completed=info["step"], total=info["total"], info=f"{reward_txt}acc {self.acc}"
+        )
 
 
 def run_local(
@@ -76,7 +80,7 @@ def run_local(
         TextColumn("{task.fields[info]}"),
     ]
     with Progress(*columns, console=console, disable=not cfg.log.progress) as p:
-        bar = ProgressBar(p, name)
+        bar = ProgressBar(p, name, cfg.algorithm.kind)
         res = train_node(
             cfg,
             rank=0,

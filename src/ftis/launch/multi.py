@@ -88,6 +88,7 @@ def run_multi(
     logs.mkdir(parents=True, exist_ok=True)
     for old in logs.glob("rank*.error"):
         old.unlink()
+    clear_status(run_dir)
     names = cfg.rank_names  # the nodes, then the algorithm's service ranks (e.g. a server)
     world = len(names)
     server, store, port = host_store()
@@ -190,6 +191,14 @@ def _watch(procs, names, cfg, store, result, progress, bars, run_dir, stop, *, s
     _update_bars(progress, bars, cfg, run_dir)
 
 
+def clear_status(run_dir: Path) -> None:
+    """Remove the nodes' status files. A resumed run's are the previous launch's (its step and
+    train.steps): drawn before the nodes rewrite them, they showed e.g. 9/6 after
+    --resume --set train.steps=9."""
+    for old in (run_dir / ".status").glob("*.json"):
+        old.unlink(missing_ok=True)
+
+
 def _update_bars(progress: Progress, bars: dict, cfg: RunConfig, run_dir: Path) -> None:
     for node in cfg.nodes:
         path = run_dir / ".status" / f"{node.name}.json"
@@ -197,7 +206,8 @@ def _update_bars(progress: Progress, bars: dict, cfg: RunConfig, run_dir: Path) 
             state = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        phase = "warm start" if state["event"] == "warm" else "RL"
+        # the training phase is named by its algorithm (ftis, randopt, dpo, ...)
+        phase = "warm start" if state["event"] == "warm" else cfg.algorithm.kind
         key = (node.name, phase)
         if key not in bars:
             bars[key] = progress.add_task(f"{node.name} {phase}", total=state["total"], info="")
@@ -210,4 +220,4 @@ def _update_bars(progress: Progress, bars: dict, cfg: RunConfig, run_dir: Path) 
             if "eval/accuracy" in state:
                 parts.append(f"acc {100 * state['eval/accuracy']:.1f}%")
             info = " ".join(parts)
-        progress.update(bars[key], completed=state["step"], info=info)
+        progress.update(bars[key], completed=state["step"], total=state["total"], info=info)

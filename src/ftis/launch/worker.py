@@ -99,7 +99,7 @@ def _hard_exit(step: int) -> None:
 
 def _serve(cfg, rank, name, transport, run_dir, stop, membership) -> int:
     """Run a service rank (a server, an aggregator: not a training node) to the end."""
-    logger = MetricLogger(run_dir, name, tensorboard=cfg.log.tensorboard)
+    logger = MetricLogger.for_run(cfg, run_dir, name)
     try:
         with stop.installed():
             transport.ready()

@@ -1,9 +1,11 @@
 """Batched group sampling with a KV cache that records each token's log-prob as it samples.
 
 The log-prob recorded for a token is the one of the distribution it was drawn from (logits divided
-by the temperature), in fp32: exactly what the F-TIS loss needs as `sampler_logprobs`, with no
-second scoring pass (docs/math.md §7). The receiver must score the same tempered distribution:
-pass the sampling temperature to the functions of ftis.models.logprobs.
+by the temperature, then truncated by top-k / top-p and renormalised when those are on), in fp32:
+exactly what the F-TIS loss needs as `sampler_logprobs`, with no second scoring pass (docs/math.md
+§7). The receiver scores the tempered, untruncated distribution: pass the sampling temperature to
+the functions of ftis.models.logprobs (what the importance weights then mean under truncation:
+docs/math.md §7.1).
 """
 
 from __future__ import annotations
@@ -47,6 +49,27 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
+def truncate_logits(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """(N, V) `logits` with every token outside the sampling support set to -inf: the `top_k`
+    largest (0 = all; ties at the k-th value broken by index), then, of the distribution
+    renormalised over those, the smallest set of most probable tokens whose probability reaches
+    `top_p` (1 = all; the most probable token is always kept). Pass tempered logits
+    (logits / T): the nucleus is taken on the distribution that is sampled."""
+    if top_k < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"top_k must be >= 0 and top_p in (0, 1], got {top_k!r}, {top_p!r}")
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    if 0 < top_k < logits.shape[-1]:
+        keep = torch.zeros_like(keep).scatter_(-1, logits.topk(top_k, dim=-1).indices, True)
+        logits = logits.masked_fill(~keep, float("-inf"))
+    if top_p < 1:
+        probs, order = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True, stable=True)
+        before = probs.cumsum(-1) - probs  # mass of the more probable tokens
+        keep_sorted = before < top_p
+        keep_sorted[..., 0] = True
+        keep = keep & torch.zeros_like(keep).scatter_(-1, order, keep_sorted)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
 @torch.no_grad()
 def sample(
     model: torch.nn.Module,
@@ -57,6 +80,8 @@ def sample(
     eos_id: int,
     pad_id: int,
     temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
     generator: torch.Generator | None = None,
     noise: torch.Tensor | None = None,
 ) -> Samples:
@@ -72,11 +97,21 @@ def sample(
     tokens; score them with ``completion_logprobs(..., temperature=T)`` (or the shared-prompt
     variant) so that a node's own samples have ratio 1. With temperature 0 the recorded
     log-probs are the model's own (temperature 1) log-probs of the greedy tokens.
+
+    top_k > 0 / top_p < 1 (with T > 0) draw from the tempered distribution truncated by
+    `truncate_logits` and renormalised, and record that distribution's log-probs, so a node's
+    own samples no longer have ratio 1 against the untruncated receiver (docs/math.md §7.1).
+    With top_k = 0 and top_p = 1 (the defaults) the draws are exactly those without them.
     """
     if num_samples < 1 or max_new_tokens < 1:
         raise ValueError("num_samples and max_new_tokens must be >= 1")
     if not 0 <= temperature < float("inf"):
         raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature!r}")
+    if top_k < 0 or not 0 < top_p <= 1:
+        raise ValueError(
+            f"top_k must be >= 0 (0 = off) and top_p in (0, 1] (1 = off), got {top_k!r}, {top_p!r}"
+        )
+    truncated = top_k > 0 or top_p < 1
     if noise is not None and noise.shape != (len(prompts) * num_samples, max_new_tokens):
         raise ValueError(
             f"noise must have shape ({len(prompts) * num_samples}, {max_new_tokens}), "
@@ -131,7 +166,10 @@ def sample(
         for t in range(max_new_tokens):
             logits = logits.float()
             if temperature > 0:
-                logp = torch.log_softmax(logits / temperature, dim=-1)
+                scaled = logits / temperature
+                if truncated:
+                    scaled = truncate_logits(scaled, top_k=top_k, top_p=top_p)
+                logp = torch.log_softmax(scaled, dim=-1)
                 cdf = logp.exp().cumsum(-1)
                 u = noise[:, t : t + 1].to(cdf.device) * cdf[:, -1:]
                 # right=True: the first token whose cdf exceeds u, so a draw of exactly 0 (or one

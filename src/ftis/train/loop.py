@@ -172,7 +172,7 @@ def train_node(
         v1 = state.get("version") == 1
         algo.load_state_dict({"counters": state.get("counters", {})} if v1 else state["algorithm"])
     transport.ready()
-    logger = MetricLogger(run_dir, node.name, tensorboard=cfg.log.tensorboard)
+    logger = MetricLogger.for_run(cfg, run_dir, node.name)
     eval_logger = EvalLogger(run_dir, node.name)
 
     def run_eval(step: int) -> dict[str, float]:

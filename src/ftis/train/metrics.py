@@ -1,5 +1,6 @@
 """Metric sinks. JSONL always (RUN_DIR/metrics.jsonl, one object per line, with `step` and
-`node`); TensorBoard when asked for and installed. Each evaluation's per-problem outcomes and
+`node`); TensorBoard and Weights & Biases when asked for (log.tensorboard, log.wandb) and
+installed (the `tracking` extra). Each evaluation's per-problem outcomes and
 sample completions go to RUN_DIR/evals.jsonl and RUN_DIR/samples.jsonl (`EvalLogger`)."""
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class TensorBoardSink:
         except ImportError as e:  # tensorboard is an optional extra
             raise RuntimeError(
                 "log.tensorboard is on but the tensorboard package is missing: "
-                "pip install 'ftis[tensorboard]', or set log.tensorboard=false"
+                "pip install 'ftis[tracking]', or set log.tensorboard=false"
             ) from e
         self._w = SummaryWriter(str(logdir))
 
@@ -61,14 +62,96 @@ class TensorBoardSink:
         self._w.close()
 
 
+# Set for the W&B client unless the user set them: no traffic leaves the machine by default
+# (offline runs, synced later with `wandb sync RUN_DIR/wandb/offline-run-*` if wanted), no
+# console noise, no crash reports.
+WANDB_DEFAULTS = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_ERROR_REPORTING": "false"}
+
+
+class WandbSink:
+    """One W&B run per node (named <run>/<node>, grouped by the run's name), its files under
+    RUN_DIR/wandb. Offline unless the environment sets WANDB_MODE (WANDB_DEFAULTS); git and code
+    capture and system-metrics sampling are off."""
+
+    def __init__(
+        self, run_dir: Path, node: str, *, run_name: str, config: dict[str, Any] | None = None
+    ) -> None:
+        for key, value in WANDB_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        try:
+            import wandb
+        except ImportError as e:  # wandb is an optional extra
+            raise RuntimeError(
+                "log.wandb is on but the wandb package is missing: "
+                "pip install 'ftis[tracking]', or set log.wandb=false"
+            ) from e
+        (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
+        settings = wandb.Settings(
+            # explicit, not left to the environment: wandb's process-wide setup reads it once
+            mode=os.environ["WANDB_MODE"],
+            silent=True,
+            console="off",
+            disable_git=True,
+            disable_code=True,
+            save_code=False,
+            x_disable_stats=True,
+        )
+        self._run = wandb.init(
+            dir=str(run_dir),
+            project=os.environ.get("WANDB_PROJECT", "ftis"),
+            name=f"{run_name}/{node}",
+            group=run_name,
+            config=config or {},
+            settings=settings,
+            reinit="create_new",  # several nodes' runs in one process (FGRPO's simulation)
+        )
+
+    def write(self, row: dict[str, Any]) -> None:
+        step = int(row["step"])
+        data = {
+            k: v
+            for k, v in row.items()
+            if isinstance(v, int | float) and not isinstance(v, bool) and k != "step"
+            if math.isfinite(v)
+        }
+        self._run.log(data, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
 class MetricLogger:
     """Fans one row out to every sink; adds the node name."""
 
-    def __init__(self, run_dir: Path, node: str, *, tensorboard: bool = False) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        node: str,
+        *,
+        tensorboard: bool = False,
+        wandb: bool = False,
+        run_name: str = "ftis",
+        config: dict[str, Any] | None = None,
+    ) -> None:
         self.node = node
         self.sinks: list[Any] = [JsonlSink(run_dir / "metrics.jsonl")]
         if tensorboard:
             self.sinks.append(TensorBoardSink(run_dir / "tensorboard" / node))
+        if wandb:
+            self.sinks.append(WandbSink(run_dir, node, run_name=run_name, config=config))
+
+    @classmethod
+    def for_run(cls, cfg: Any, run_dir: Path, node: str) -> MetricLogger:
+        """The logger of `node` in a run of RunConfig `cfg`: the sinks its `log` section asks
+        for; W&B gets the resolved config."""
+        return cls(
+            run_dir,
+            node,
+            tensorboard=cfg.log.tensorboard,
+            wandb=cfg.log.wandb,
+            run_name=cfg.name,
+            config=cfg.model_dump(mode="json") if cfg.log.wandb else None,
+        )
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, "node": self.node, **metrics}

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -29,10 +32,29 @@ class Node:
     model: torch.nn.Module
     tokenizer: PreTrainedTokenizerBase
     optimizer: torch.optim.Optimizer
+    # The KL reference (loss.beta > 0, full fine-tuning): a frozen copy of the model as built,
+    # i.e. at step 0. None otherwise; a LoRA node's reference is its base with the adapters
+    # disabled (`reference`), so it needs no copy.
+    ref_model: torch.nn.Module | None = None
 
     @property
     def name(self) -> str:
         return self.cfg.name
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[torch.nn.Module]:
+        """The KL reference model (docs/math.md §14), for scoring without grad: the frozen
+        step-0 copy, or, under LoRA, this node's own model with its adapters disabled for the
+        duration of the block."""
+        if self.ref_model is not None:
+            yield self.ref_model
+        elif hasattr(self.model, "disable_adapter"):
+            with self.model.disable_adapter():
+                yield self.model
+        else:
+            raise RuntimeError(
+                f"node {self.name} has no KL reference: it is built when loss.beta > 0"
+            )
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -60,6 +82,11 @@ def build_node(cfg: NodeConfig, *, rank: int, task_cfg: BaseModel, warm_progress
     if model_cfg.lora is not None:
         model = attach_lora(model, model_cfg.lora)
     model.train()
+    ref_model = None
+    if cfg.loss.beta > 0 and model_cfg.lora is None:
+        # Built before any checkpoint is loaded, so on resume too this is the step-0 model: the
+        # warm start (cached, deterministic) or the seeded initialisation.
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     trainable, total = count_parameters(model)
     log.info(
         "node %s: %s, %d of %d parameters trainable",
@@ -74,4 +101,5 @@ def build_node(cfg: NodeConfig, *, rank: int, task_cfg: BaseModel, warm_progress
         model=model,
         tokenizer=tokenizer,
         optimizer=build_optimizer(model, cfg.optim),
+        ref_model=ref_model,
     )

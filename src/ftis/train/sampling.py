@@ -65,6 +65,8 @@ def generate(
         eos_id=tok.eos_token_id,
         pad_id=tok.pad_token_id,
         temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
         noise=noise,
     )
     n = out.completion_ids.shape[0]

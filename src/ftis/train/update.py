@@ -17,6 +17,7 @@ import torch
 
 from ftis.config import LossConfig, TrainConfig
 from ftis.core.hacpo import peer_clip_lower
+from ftis.core.kl import kl_penalty
 from ftis.core.losses import drop_mode_grad_scale, policy_loss, resolve_method
 from ftis.core.reco import reco_weights, variance_ratio_summary
 from ftis.models.logprobs import shared_prompt_completion_logprobs
@@ -74,13 +75,21 @@ def update(
     the loss's peer treatment (policy shaping, HACPO's peer term). peer_scale: (N,) HACPO's
     discrepancy coefficient per sequence. update_index: m, the optimizer updates already made
     on this round's batch (HACPO's stepwise clip lower bound rises with it).
+
+    loss_cfg.beta > 0 adds beta x the k3 KL to the node's reference (`Node.reference`), scored
+    without grad per micro-batch at the same temperature, averaged like the loss (docs/math.md
+    §14); every sequence then runs (zero-advantage ones have a KL gradient) and the metrics gain
+    `kl` (before beta; `loss` includes it).
     """
     tok = node.tokenizer
     n_total = batch.num_sequences
     reco = resolve_method(loss_cfg.method)[0] == "reco"
+    beta = loss_cfg.beta
     if sequence_weights is None:
         sequence_weights = response_weights(batch, loss_cfg, group_size=group_size)
-    if skip_zero_advantage and loss_cfg.filter_mode == "zero":
+    # Under a KL term (beta > 0) a zero-advantage sequence still has a gradient (its KL), so
+    # every sequence runs.
+    if skip_zero_advantage and loss_cfg.filter_mode == "zero" and beta == 0:
         active = advantages != 0
         if not bool(active.all()):
             batch, advantages = batch.select(active), advantages[active]
@@ -153,6 +162,26 @@ def update(
                     logprobs, batch.sampler_logprobs[sl, :width].to(dev), mask.to(dev)
                 )
             )
+        if beta > 0:
+            with torch.no_grad(), node.reference() as ref_model:
+                ref_logprobs = shared_prompt_completion_logprobs(
+                    ref_model,
+                    prompt_ids=prompt_ids,
+                    prompt_mask=prompt_mask,
+                    prompt_of=prompt_of,
+                    completion_ids=comp,
+                    completion_mask=mask.long(),
+                    temperature=temperature,
+                )
+            kl = kl_penalty(
+                logprobs,
+                ref_logprobs=ref_logprobs.to(dev),
+                mask=mask.to(dev),
+                num_sequences=n_total,
+            )
+            loss = loss + beta * kl
+            metrics["loss"] = loss.detach()
+            metrics["kl"] = kl.detach()  # summed over micro-batches below: already / global N
         if not torch.isfinite(loss):
             node.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteError(
@@ -166,7 +195,7 @@ def update(
                 totals[k] = max(totals.get(k, -math.inf), v)
             elif k == "kept_sequences":
                 kept_total += v
-            elif k == "loss":
+            elif k in ("loss", "kl"):
                 totals[k] = totals.get(k, 0.0) + v  # already divided by the global N
             else:
                 totals[k] = totals.get(k, 0.0) + v * weight
@@ -187,6 +216,8 @@ def update(
             num_sequences=n_total,
         )
         totals.update({k: float(v) for k, v in empty.items()})
+        if beta > 0:
+            totals["kl"] = 0.0
         if reco and loss_cfg.reco_token_ratio:
             totals.update(variance_ratio_mean=0.0, variance_ratio_max=0.0)
     else:
@@ -364,6 +395,8 @@ def _no_step_metrics(loss_cfg: LossConfig, batch: RolloutBatch) -> dict[str, flo
         num_sequences=batch.num_sequences,
     )
     out = {k: float(v) for k, v in empty.items()}
+    if loss_cfg.beta > 0:
+        out["kl"] = 0.0
     if resolve_method(loss_cfg.method)[0] == "reco":
         if loss_cfg.reco_token_ratio:
             out.update(variance_ratio_mean=0.0, variance_ratio_max=0.0)

@@ -190,10 +190,7 @@ def server_setup(
         rounds_task = bar.add_task(
             f"{label} rounds", total=cfg.train.steps, completed=first_round - 1, info=""
         )
-        loggers = {
-            n: MetricLogger(run_dir, n, tensorboard=cfg.log.tensorboard)
-            for n in [*names, SERVER_NAME]
-        }
+        loggers = {n: MetricLogger.for_run(cfg, run_dir, n) for n in [*names, SERVER_NAME]}
         try:
             yield ServerSetup(
                 cfg=cfg,
