@@ -204,3 +204,19 @@ def test_zero_rewards_of_the_first_steps_are_warned_about(caplog):
     with caplog.at_level(logging.WARNING, logger="ftis.train.loop"):
         _warn_if_zero_rewards(task, "a", 5)
     assert caplog.text == ""
+
+
+def test_a_task_from_ftis_plugins(tmp_path, monkeypatch):
+    (tmp_path / "shout_plugin.py").write_text(
+        "from typing import Literal\n"
+        "from ftis.tasks import TaskConfigBase, register_task\n"
+        "class ShoutConfig(TaskConfigBase):\n"
+        "    kind: Literal['shout'] = 'shout'\n"
+        "register_task('shout', ShoutConfig, 'tests.tasks.test_prompts:EchoTask')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="unknown task kind 'shout'"):
+        load_config(None, ['task={"kind": "shout"}', "nodes.0.warm_start=null"])
+    monkeypatch.setenv("FTIS_PLUGINS", "shout_plugin")
+    cfg = load_config(None, ['task={"kind": "shout"}', "nodes.0.warm_start=null"])
+    assert cfg.task.kind == "shout" and type(cfg.task).__name__ == "ShoutConfig"
