@@ -81,6 +81,6 @@ def test_own_reward_example_runs(tmp_path, monkeypatch):
         )
         assert math.isclose(s["reward"], expected, abs_tol=1e-6), s
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    name = f"reward/errors/{OWN / 'my_reward.py'}:digits_only"
+    name = "reward/errors/my_reward.py:digits_only"
     assert all(r.get(name) == 0.0 for r in rows if r["step"] >= 1)
     assert all(r["reward/scored"] > 0 for r in rows)

@@ -179,6 +179,7 @@ def test_a_reward_file_is_found_from_the_working_directory(tmp_path, monkeypatch
     cfg = load_config(None, ["task.reward=myrw.py:score"])
     assert cfg.task.reward[0].function == f"{tmp_path / 'myrw.py'}:score"  # kept absolute
     task = build_task(cfg.task)
+    assert task.reward_fn.names == ["myrw.py:score"]  # the name in rows and logs
     p = task.split("test")[0]
     assert task.reward(p, "anything") == 7.0
 

@@ -17,7 +17,7 @@ the decoded completion (special tokens such as `<answer>` kept, pad/EOS removed:
 number; an `async def` function is awaited, every completion of a batch concurrently. The
 weighted sum of the functions is the completion's reward. An exception (or a value that is not a
 finite number) gives that completion 0 from that function, is counted in the metrics rows as
-`reward/errors/<function>` and logged once per function with where it was raised.
+`reward/errors/<function>` (a file's function as `file.py:function`) and logged once per function with where it was raised.
 
 This module imports no model code: configs validate functions by importing them only.
 """
@@ -94,6 +94,15 @@ def split_name(name: str) -> tuple[str, str]:
             f"registered name ({', '.join(sorted(REWARDS))})"
         )
     return module, attr
+
+
+def short_name(name: str) -> str:
+    """The name of a reward function in rows and logs: `file.py:function` for a file (no
+    directories), the configured name otherwise."""
+    module, _, attr = name.rpartition(":")
+    if module.endswith(".py") or "/" in module:
+        return f"{Path(module).name}:{attr}"
+    return name
 
 
 def resolve_reward(name: str) -> RewardFn:
@@ -220,4 +229,5 @@ __all__ = [
     "normalise_reward_spec",
     "register_reward",
     "resolve_reward",
+    "short_name",
 ]

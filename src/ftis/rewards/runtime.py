@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ftis.rewards import RewardFn, RewardTerm, finite_number, resolve_reward
+from ftis.rewards import RewardFn, RewardTerm, finite_number, resolve_reward, short_name
 from ftis.tasks.base import Problem
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,9 @@ class Reward:
         self.terms: list[_Term] = []
         for t in terms:
             if isinstance(t, RewardTerm):
-                self.terms.append(_Term(t.function, resolve_reward(t.function), t.weight))
+                self.terms.append(
+                    _Term(short_name(t.function), resolve_reward(t.function), t.weight)
+                )
             else:
                 self.terms.append(_Term(*t))
         if not self.terms:
