@@ -79,7 +79,7 @@ def test_a_function_gets_prompt_completion_and_the_rows_fields():
 
 def test_async_functions_of_a_batch_run_concurrently():
     n = 6
-    state = {"in_flight": 0}
+    state = {"in_flight": 0, "all": asyncio.Event()}  # binds to the loop that first awaits it
 
     async def together(prompt, completion, fields):
         # Completes only when all n calls are in flight at once: run one by one, the first
@@ -90,26 +90,8 @@ def test_async_functions_of_a_batch_run_concurrently():
         await asyncio.wait_for(state["all"].wait(), timeout=5)
         return float(len(completion))
 
-    async def setup():
-        state["all"] = asyncio.Event()
-
-    orig_run = asyncio.run
-
-    def run_with_event(coro):
-        async def main():
-            await setup()
-            return await coro
-
-        return orig_run(main())
-
     r = Reward([("together", together, 2.0)])
-    texts = ["a" * i for i in range(n)]
-    asyncio_run = asyncio.run
-    asyncio.run = run_with_event  # the event must belong to the loop the rewards run in
-    try:
-        got = r.score(problems(n), texts)
-    finally:
-        asyncio.run = asyncio_run
+    got = r.score(problems(n), ["a" * i for i in range(n)])
     assert got == [2.0 * i for i in range(n)]
     assert r.pop_stats()["reward/scored"] == n
 

@@ -34,7 +34,7 @@ from ftis.basemodels import ShippedBase, find_shipped, sha256_file, verify
 from ftis.models.loading import ModelConfig, build_model, load_tokenizer, save_model
 from ftis.models.logprobs import completion_logprobs
 from ftis.rollout.sampler import left_pad
-from ftis.tasks import build_task
+from ftis.tasks import build_task, get_task
 from ftis.tasks.base import Problem, Task
 from ftis.warmstart_config import WarmStartConfig
 
@@ -66,14 +66,22 @@ def warmstart_task(task_cfg: BaseModel, ws: WarmStartConfig) -> Task:
     if reason:
         raise ValueError(f"warm_start refused: {reason}")
     if ws.mix is None:
-        return build_task(task_cfg)
+        return _bare_task(task_cfg)
     field = MIX_FIELDS.get(getattr(task_cfg, "kind", None))
     if field is None:
         raise ValueError(
             "warm_start.mix only applies to the arithmetic task (operation weights) and the "
             "reasoning task (skill weights); remove it"
         )
-    return build_task(task_cfg.model_copy(update={field: ws.mix}))
+    return _bare_task(task_cfg.model_copy(update={field: ws.mix}))
+
+
+def _bare_task(task_cfg: BaseModel) -> Task:
+    """The task without its reward: a warm start reads prompts and targets only (a prompts
+    task whose reward is configured on the nodes alone has none to build)."""
+    if isinstance(task_cfg, dict):
+        return build_task(task_cfg)
+    return get_task(task_cfg.kind).build(task_cfg)
 
 
 def warmstart_target(task: Task, problem: Problem) -> str:

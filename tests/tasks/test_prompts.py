@@ -220,3 +220,18 @@ def test_a_task_from_ftis_plugins(tmp_path, monkeypatch):
     monkeypatch.setenv("FTIS_PLUGINS", "shout_plugin")
     cfg = load_config(None, ['task={"kind": "shout"}', "nodes.0.warm_start=null"])
     assert cfg.task.kind == "shout" and type(cfg.task).__name__ == "ShoutConfig"
+
+
+def test_a_warm_start_needs_no_reward_but_a_target(tmp_path):
+    from ftis.tasks import PromptsTaskConfig
+    from ftis.warmstart import warmstart_task
+    from ftis.warmstart_config import WarmStartConfig
+
+    f = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    ws = WarmStartConfig(steps=1)
+    # the reward may live on the nodes only: the warm start builds the task without one
+    task = warmstart_task(PromptsTaskConfig(train_file=f, warmstart_field="answer"), ws)
+    p = task.split("train")[0]
+    assert task.warmstart_target(p) == p.fields["answer"]
+    with pytest.raises(ValueError, match="warm_start refused.*warmstart_field"):
+        warmstart_task(PromptsTaskConfig(train_file=f), ws)
