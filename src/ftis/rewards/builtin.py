@@ -29,7 +29,9 @@ def gsm8k(prompt: str, completion: str, fields: Mapping[str, Any]) -> float:
     """1.0 when the completion is exactly `<think> ... </think><answer> ... </answer>` and the
     answer verifies against the gold answer with math-verify (the GSM8K task's reward)."""
     answer = _gsm8k.extract_answer(completion)
-    return 1.0 if answer is not None and _gsm8k.answer_matches(answer, str(fields["answer"])) else 0.0
+    return (
+        1.0 if answer is not None and _gsm8k.answer_matches(answer, str(fields["answer"])) else 0.0
+    )
 
 
 def gsm8k_format(prompt: str, completion: str, fields: Mapping[str, Any]) -> float:

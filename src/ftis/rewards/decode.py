@@ -26,9 +26,7 @@ def structural_ids(tokenizer) -> set[int]:
     return out
 
 
-def decode_for_reward(
-    tokenizer, completion_ids: torch.Tensor, lengths: torch.Tensor
-) -> list[str]:
+def decode_for_reward(tokenizer, completion_ids: torch.Tensor, lengths: torch.Tensor) -> list[str]:
     """Text of each completion's real tokens, pad/BOS/EOS/UNK/... removed and every other
     special token kept: what a reward reads. completion_ids (N, T) right-padded, lengths (N,)."""
     drop = structural_ids(tokenizer)

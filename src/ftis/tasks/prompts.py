@@ -229,9 +229,11 @@ class PromptsTask:
         got = problem.fields.get(self.cfg.messages_field)
         if got is not None:
             return [dict(m) for m in got]
-        out = [] if self.cfg.system_prompt is None else [
-            {"role": "system", "content": self.cfg.system_prompt}
-        ]
+        out = (
+            []
+            if self.cfg.system_prompt is None
+            else [{"role": "system", "content": self.cfg.system_prompt}]
+        )
         return out + [{"role": "user", "content": problem.question}]
 
     def uses_chat_template(self, tokenizer: PreTrainedTokenizerBase) -> bool:
