@@ -264,8 +264,9 @@ def write_report(run_dir: Path) -> Path:
     lines = [f"# ftis run: {run_dir.name}", ""]
     lines += table_lines(header, body)  # type: ignore[arg-type]
     lines.append("")
-    lines += [f"**Warning**: {w}" for w in zero_reward_warnings(rows)]
-    lines.append("")
+    warnings = zero_reward_warnings(rows)
+    if warnings:
+        lines += [f"**Warning**: {w}" for w in warnings] + [""]
     if eval_splits(rows):
         lines.append(
             "Accuracy is greedy, on at most `eval.size` problems per split; 'before' is step 0."
