@@ -69,7 +69,7 @@ def fake_sampling(monkeypatch):
         return SimpleNamespace(completion_ids=texts, lengths=None)
 
     monkeypatch.setattr(ev, "sample", sample)
-    monkeypatch.setattr(ev, "decode_completions", lambda tok, ids, lengths: list(ids))
+    monkeypatch.setattr(ev, "decode_for_reward", lambda tok, ids, lengths: list(ids))
 
 
 @pytest.mark.parametrize("extract", [True, False])

@@ -220,7 +220,13 @@ def _resumable_config(run_dir: Path, overrides: list[str]):
 
 
 def _finish(run_dir: Path) -> None:
-    from ftis.report import federated_lines, load_rows, summary_table, write_report
+    from ftis.report import (
+        federated_lines,
+        load_rows,
+        summary_table,
+        write_report,
+        zero_reward_warnings,
+    )
 
     report = write_report(run_dir)
     rows = load_rows(run_dir)
@@ -228,6 +234,8 @@ def _finish(run_dir: Path) -> None:
     _print_table(header, body, title=f"ftis run {run_dir.name}")
     for line in federated_lines(rows)[:1]:
         console.print(line)
+    for line in zero_reward_warnings(rows):
+        console.print(f"[yellow]warning[/yellow]: {line}", markup=True, highlight=False)
     console.print(f"report: {report}")
 
 

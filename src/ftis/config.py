@@ -28,6 +28,7 @@ from ftis.algos import AlgorithmConfig, FTISConfig, get_algorithm
 from ftis.core.losses import LOSS_METHODS
 from ftis.exchange.wire import check_logprob_format
 from ftis.models.config import ModelConfig
+from ftis.rewards import RewardTerm, normalise_reward_spec
 from ftis.tasks import ArithmeticTaskConfig, TaskConfig
 from ftis.warmstart_config import WarmStartConfig
 
@@ -189,6 +190,16 @@ class NodeConfig(_Strict):
     )
     optim: OptimConfig = Field(default_factory=OptimConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
+    reward: list[RewardTerm] | None = Field(
+        None,
+        description="This node's reward functions and weights (replaces task.reward for it; "
+        "docs/tasks.md); null = the task's.",
+    )
+
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _reward_shorthands(cls, v: Any) -> Any:
+        return normalise_reward_spec(v)
 
     @field_validator("name")
     @classmethod
@@ -433,6 +444,18 @@ class RunConfig(_Strict):
                     f"testing.{field} names unknown nodes {unknown}; use node names "
                     f"({', '.join(names)})"
                 )
+        if self.task.reward is None and type(self.task).default_reward is None:
+            missing = [n.name for n in self.nodes if n.reward is None]
+            if missing:
+                raise ValueError(
+                    f"task kind {self.task.kind!r} has no built-in reward and nodes "
+                    f"{', '.join(missing)} have none: set task.reward (e.g. my_rewards:score, "
+                    "docs/tasks.md) or each node's reward"
+                )
+        refusal = self.task.warm_start_refusal()
+        warm = [n.name for n in self.nodes if n.warm_start is not None]
+        if refusal and warm:
+            raise ValueError(f"nodes {', '.join(warm)} have a warm_start, but {refusal}")
         self.algorithm.check_run(self)
         return self
 

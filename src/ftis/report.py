@@ -277,6 +277,9 @@ def write_report(run_dir: Path) -> Path:
     lines = [f"# ftis run: {run_dir.name}", ""]
     lines += table_lines(header, body)  # type: ignore[arg-type]
     lines.append("")
+    warnings = zero_reward_warnings(rows)
+    if warnings:
+        lines += [f"**Warning**: {w}" for w in warnings] + [""]
     if eval_splits(rows):
         lines.append(
             "Accuracy is greedy, on at most `eval.size` problems per split; 'before' is step 0."
@@ -300,6 +303,45 @@ def write_report(run_dir: Path) -> Path:
     path = run_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+ZERO_REWARD_STEPS = 5  # as ftis.train.loop's warning
+
+
+def zero_reward_warnings(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per node whose reward was 0 for every completion scored in its first steps
+    (steps 0-5: rows' `reward/scored` and `reward/nonzero`, which ftis.train.loop writes), with
+    the likely causes; none for nodes whose rows lack the counters."""
+    out = []
+    for node in nodes_in(rows):
+        first = [
+            r
+            for r in rows
+            if r.get("node") == node
+            and r.get("step", 0) <= ZERO_REWARD_STEPS
+            and r.get("reward/scored") is not None
+        ]
+        scored = sum(float(r["reward/scored"]) for r in first)
+        if not first or scored == 0 or any(float(r.get("reward/nonzero", 0)) for r in first):
+            continue
+        last = max(int(r["step"]) for r in first)
+        errors = sorted(
+            {
+                k.removeprefix("reward/errors/")
+                for r in first
+                for k, v in r.items()
+                if k.startswith("reward/errors/") and v
+            }
+        )
+        raised = f" ({', '.join(errors)} raised: see reward/errors/*)" if errors else ""
+        out.append(
+            f"node {node}: all {int(scored)} completions scored in steps 0-{last} earned reward "
+            f"0{raised}. Likely causes: completions that miss the reward's format (see "
+            "samples.jsonl); reward markers (<think>, <answer>, ####) the model never emits or "
+            "the prompt never asks for; a reward that raises; a model too weak for the task "
+            "(docs/tasks.md)."
+        )
+    return out
 
 
 def _cell(text: str, limit: int = 60) -> str:

@@ -8,8 +8,10 @@ configs the documentation quotes are shipped with the package (ftis.basemodels) 
 of local training; any other warm start is trained locally and is specific to this machine.
 The data mix (`mix`) reweights the arithmetic operations (or the reasoning task's skills), which
 makes models with different expertise from one preset. The supervised target is the task's
-`warmstart_target(problem)` when it has one (the reasoning task's worked trace and answer), else
-the bare answer.
+`warmstart_target(problem)` when it has one (the reasoning task's worked trace and answer, the
+GSM8K task's `<think> solution </think><answer> gold </answer>`, a prompts task's
+`warmstart_field`), else the bare answer; a task that has none to give refuses the warm start
+(`warm_start_refusal`, checked when the config is read).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from ftis.basemodels import ShippedBase, find_shipped, sha256_file, verify
 from ftis.models.loading import ModelConfig, build_model, load_tokenizer, save_model
 from ftis.models.logprobs import completion_logprobs
 from ftis.rollout.sampler import left_pad
-from ftis.tasks import build_task
+from ftis.tasks import build_task, get_task
 from ftis.tasks.base import Problem, Task
 from ftis.warmstart_config import WarmStartConfig
 
@@ -50,16 +52,36 @@ def cache_root() -> Path:
 MIX_FIELDS = {"arithmetic": "ops", "reasoning": "skills"}
 
 
+def _task_payload(task_cfg: BaseModel) -> dict:
+    """What of the task config decides a warm start: everything but its reward (which only RL
+    reads), plus the version of the task's supervised target format when it declares one."""
+    payload = task_cfg.model_dump(exclude={"reward"})
+    target = getattr(type(task_cfg), "warmstart_target_format", None)
+    return payload if target is None else {**payload, "warmstart_target_format": target}
+
+
 def warmstart_task(task_cfg: BaseModel, ws: WarmStartConfig) -> Task:
+    refuse = getattr(task_cfg, "warm_start_refusal", None)
+    reason = refuse() if callable(refuse) else None
+    if reason:
+        raise ValueError(f"warm_start refused: {reason}")
     if ws.mix is None:
-        return build_task(task_cfg)
+        return _bare_task(task_cfg)
     field = MIX_FIELDS.get(getattr(task_cfg, "kind", None))
     if field is None:
         raise ValueError(
             "warm_start.mix only applies to the arithmetic task (operation weights) and the "
             "reasoning task (skill weights); remove it"
         )
-    return build_task(task_cfg.model_copy(update={field: ws.mix}))
+    return _bare_task(task_cfg.model_copy(update={field: ws.mix}))
+
+
+def _bare_task(task_cfg: BaseModel) -> Task:
+    """The task without its reward: a warm start reads prompts and targets only (a prompts
+    task whose reward is configured on the nodes alone has none to build)."""
+    if isinstance(task_cfg, dict):
+        return build_task(task_cfg)
+    return get_task(task_cfg.kind).build(task_cfg)
 
 
 def warmstart_target(task: Task, problem: Problem) -> str:
@@ -80,7 +102,7 @@ def cache_key(model_cfg: ModelConfig, ws: WarmStartConfig, task_cfg: BaseModel) 
         "version": WARMSTART_VERSION,
         "model": model_cfg.model_dump(exclude={"lora"}),
         "warm_start": ws.model_dump(),
-        "task": task_cfg.model_dump(),
+        "task": _task_payload(task_cfg),
         "torch": torch.__version__.split("+")[0],
     }
     return _digest(payload)
@@ -94,7 +116,7 @@ def base_key(model_cfg: ModelConfig, ws: WarmStartConfig, task_cfg: BaseModel) -
         "version": WARMSTART_VERSION,
         "model": model_cfg.model_dump(exclude={"lora", "device"}),
         "warm_start": ws.model_dump(),
-        "task": task_cfg.model_dump(),
+        "task": _task_payload(task_cfg),
     }
     return _digest(payload)
 

@@ -117,7 +117,7 @@ class TestLoading:
         task = build_task(
             {"kind": "gsm8k", "train_file": f"fixture:{TRAIN}", "test_file": f"fixture:{TEST}"}
         )
-        assert isinstance(task, GSM8KTask)
+        assert isinstance(task.task, GSM8KTask)  # wrapped with its configured reward
 
 
 class TestDataErrors:

@@ -75,7 +75,7 @@ class TestDeterminism:
     def test_is_a_task_and_registered(self, task):
         assert isinstance(task, Task)
         built = build_task({"kind": "reasoning", "seed": 0})
-        assert isinstance(built, ReasoningTask)
+        assert isinstance(built, Task) and isinstance(built.task, ReasoningTask)
         assert built.split("train")[3] == task.split("train")[3]
         cfg = TypeAdapter(TaskConfig).validate_python({"kind": "reasoning"})
         assert isinstance(cfg, ReasoningTaskConfig)

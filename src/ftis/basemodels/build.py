@@ -140,7 +140,7 @@ def build(
             "warmstart_version": WARMSTART_VERSION,
             "model": use.model.model_dump(mode="json", exclude={"lora", "device"}),
             "warm_start": use.warm_start.model_dump(mode="json"),
-            "task": use.task.model_dump(mode="json"),
+            "task": use.task.model_dump(mode="json", exclude={"reward"}),
             "used_by": sorted(use.sources),
             "files": files,
             "built_with": {

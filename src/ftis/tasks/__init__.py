@@ -1,18 +1,30 @@
-"""Prompt sources and verifiers: the embedded arithmetic and reasoning tasks, GSM8K-style tasks.
+"""Prompt sources and verifiers: the embedded arithmetic and reasoning tasks, GSM8K-style tasks,
+prompt datasets of one's own (`prompts`), and tasks registered by plugins.
 
-``TaskConfig`` is the discriminated union (on ``kind``) that the run config embeds;
-``build_task`` turns one into a ``Task``.
+A task is registered once with its config class (a `TaskConfigBase` with a `kind`) and a factory
+(`register_task`); `TaskConfig` validates a mapping by dispatching on `kind` to the registered
+class, so a plugin's task ($FTIS_PLUGINS) is validated like a built-in one. `build_task` turns a
+config into a task whose verifier is the configured reward (`ftis.rewards`).
+
+    from ftis.tasks import TaskConfigBase, register_task
+
+    class MyTaskConfig(TaskConfigBase):
+        kind: Literal["mine"] = "mine"
+
+    register_task("mine", MyTaskConfig, "my_package.my_task:MyTask")
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import Field, TypeAdapter
+from pydantic import BeforeValidator, SerializeAsAny, TypeAdapter, ValidationError
 
 from ftis.tasks.arithmetic import ArithmeticTask, ArithmeticTaskConfig, ArithmeticVariant
-from ftis.tasks.base import Problem, Task, TaskDataError
+from ftis.tasks.base import OWN_REWARD, Problem, Task, TaskConfigBase, TaskDataError
 from ftis.tasks.gsm8k import (
     DEFAULT_SYSTEM_PROMPT,
     GSM8KTask,
@@ -22,27 +34,107 @@ from ftis.tasks.gsm8k import (
     fixture_path,
     gold_answer,
 )
+from ftis.tasks.prompts import PromptsTask, PromptsTaskConfig
 from ftis.tasks.reasoning import ReasoningTask, ReasoningTaskConfig, ReasoningVariant
 
-TaskConfig = Annotated[
-    ArithmeticTaskConfig | GSM8KTaskConfig | ReasoningTaskConfig, Field(discriminator="kind")
-]
 
-# kind -> constructor; a new task is one entry here and one member of TaskConfig.
-TASKS: dict[str, Callable[[Any], Task]] = {
-    "arithmetic": ArithmeticTask,
-    "gsm8k": GSM8KTask,
-    "reasoning": ReasoningTask,
-}
+@dataclass(frozen=True)
+class TaskSpec:
+    """A registered task: its config class and the factory that builds it from a config
+    (a callable or a "module:attr" string, imported on first use)."""
+
+    kind: str
+    config: type[TaskConfigBase]
+    factory: Callable[[Any], Task] | str
+
+    def build(self, cfg: TaskConfigBase) -> Task:
+        factory = self.factory
+        if isinstance(factory, str):
+            module, _, attr = factory.partition(":")
+            factory = getattr(importlib.import_module(module), attr)
+        return factory(cfg)
 
 
-def build_task(
-    cfg: ArithmeticTaskConfig | GSM8KTaskConfig | ReasoningTaskConfig | Mapping[str, Any],
-) -> Task:
-    """Build the task a config describes; a plain mapping is validated as a ``TaskConfig`` first."""
+TASKS: dict[str, TaskSpec] = {}
+
+
+def register_task(
+    kind: str, config: type[TaskConfigBase], factory: Callable[[Any], Task] | str
+) -> TaskSpec:
+    """Make `kind` available to `task.kind` (replacing an earlier registration)."""
+    if not (isinstance(config, type) and issubclass(config, TaskConfigBase)):
+        raise TypeError(f"task {kind!r}: its config class must subclass ftis.tasks.TaskConfigBase")
+    spec = TaskSpec(kind, config, factory)
+    TASKS[kind] = spec
+    return spec
+
+
+def get_task(kind: str) -> TaskSpec:
+    """The registered task `kind` (plugins loaded if needed), or a ValueError listing them."""
+    if kind not in TASKS:
+        from ftis.algos import load_plugins
+
+        load_plugins()
+    if kind not in TASKS:
+        raise ValueError(f"unknown task kind {kind!r}; choose one of: {', '.join(sorted(TASKS))}")
+    return TASKS[kind]
+
+
+def _task_config(value: Any) -> Any:
+    """A mapping validated as the registered config class of its `kind` (default arithmetic)."""
+    if isinstance(value, TaskConfigBase):
+        return value
+    if value is None:
+        value = {}
+    if not isinstance(value, Mapping):
+        raise ValueError("must be a mapping with a kind, e.g. {kind: arithmetic}")
+    kind = str(value.get("kind", "arithmetic"))
+    spec = get_task(kind)
+    try:
+        return spec.config.model_validate({**value, "kind": kind})
+    except ValidationError as e:
+        from ftis.config import format_validation_error
+
+        raise ValueError(
+            format_validation_error(
+                e, header="", indent="", sep="; ", model=spec.config, prefix="task."
+            )
+        ) from None
+
+
+# What a run config's `task` holds: any registered task's config, chosen by `kind`.
+TaskConfig = Annotated[SerializeAsAny[TaskConfigBase], BeforeValidator(_task_config)]
+
+
+def build_task(cfg: TaskConfigBase | Mapping[str, Any], *, reward: Any = None) -> Task:
+    """Build the task a config describes, its verifier the configured reward: `reward` (a
+    node's `reward` terms) when given, else the config's `reward`, else its built-in one. A
+    plain mapping is validated as a `TaskConfig` first."""
+    from ftis.rewards.runtime import Reward, RewardedTask
+
     if isinstance(cfg, Mapping):
         cfg = TypeAdapter(TaskConfig).validate_python(cfg)
-    return TASKS[cfg.kind](cfg)
+    task = get_task(cfg.kind).build(cfg)
+    terms = reward or cfg.reward
+    if terms:
+        return RewardedTask(task, Reward(terms))  # type: ignore[return-value]
+    default = type(cfg).default_reward
+    if default is None:
+        raise ValueError(
+            f"task kind {cfg.kind!r} has no built-in reward: set task.reward (e.g. "
+            "my_rewards:score) or each node's reward"
+        )
+    if default == OWN_REWARD:  # a plugin task's own `reward(problem, completion)` method
+        return RewardedTask(task, Reward([(f"{cfg.kind}:reward", task.reward, 1.0, True)]))  # type: ignore[return-value]
+    from ftis.rewards import resolve_reward
+
+    return RewardedTask(task, Reward([(default, resolve_reward(default), 1.0)]))  # type: ignore[return-value]
+
+
+register_task("arithmetic", ArithmeticTaskConfig, ArithmeticTask)
+register_task("gsm8k", GSM8KTaskConfig, GSM8KTask)
+register_task("reasoning", ReasoningTaskConfig, ReasoningTask)
+register_task("prompts", PromptsTaskConfig, PromptsTask)
 
 
 __all__ = [
@@ -54,15 +146,21 @@ __all__ = [
     "GSM8KTask",
     "GSM8KTaskConfig",
     "Problem",
+    "PromptsTask",
+    "PromptsTaskConfig",
     "ReasoningTask",
     "ReasoningTaskConfig",
     "ReasoningVariant",
     "Task",
     "TaskConfig",
+    "TaskConfigBase",
     "TaskDataError",
+    "TaskSpec",
     "answer_matches",
     "build_task",
     "extract_answer",
     "fixture_path",
+    "get_task",
     "gold_answer",
+    "register_task",
 ]

@@ -30,11 +30,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from hashlib import blake2b
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ftis.tasks.base import Problem, TaskDataError, as_id_list, plain_prompt_ids
+from ftis.tasks.base import Problem, TaskConfigBase, TaskDataError, as_id_list, plain_prompt_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -76,12 +76,13 @@ class ArithmeticVariant(BaseModel):
     size: int = Field(default=256, description="Number of distinct held-out problems in the split.")
 
 
-class ArithmeticTaskConfig(BaseModel):
+class ArithmeticTaskConfig(TaskConfigBase):
     """The embedded arithmetic task: a problem space, a seed and the evaluation splits."""
 
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["arithmetic"] = Field(default="arithmetic", description="Task selector.")
+    default_reward: ClassVar[str | None] = "builtin:exact_match"
     seed: int = Field(
         default=0, description="Seed of every split; all peers must share it to share indices."
     )

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ftis.rewards import RewardTerm, normalise_reward_spec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -12,11 +16,16 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Problem:
-    """One question. ``index`` is stable within its split: peers rebuild a problem from it."""
+    """One question. ``index`` is stable within its split: peers rebuild a problem from it.
+
+    ``fields`` are the row's other columns (file-based tasks), handed to a configured reward
+    together with ``question`` and ``answer`` (``ftis.rewards``); they take no part in equality.
+    """
 
     index: int
     question: str
     answer: str
+    fields: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
 
 @runtime_checkable
@@ -42,8 +51,37 @@ class Task(Protocol):
         ...
 
     def reward(self, problem: Problem, completion: str) -> float:
-        """Verifier: reward of a decoded completion (special tokens removed)."""
+        """Verifier: reward of a decoded completion (the task's built-in reward; a run scores
+        through the configured reward, ``ftis.rewards.RewardedTask``)."""
         ...
+
+
+OWN_REWARD = "own"  # TaskConfigBase.default_reward: the task object's own `reward` method
+
+
+class TaskConfigBase(BaseModel):
+    """Base of every task's config: `kind` names the task (`ftis.tasks.register_task`), `reward`
+    optionally replaces its built-in reward (`ftis.rewards`; a node's own `reward` wins)."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: str
+    reward: list[RewardTerm] | None = Field(
+        None,
+        description="Reward functions and weights ('module:function', 'file.py:function' or "
+        "'builtin:NAME'; docs/tasks.md); null = the task's built-in reward.",
+    )
+    # The reward used when none is configured: a registered name ('builtin:gsm8k'), OWN_REWARD
+    # (the task's own `reward` method, for plugin tasks), or None (one must be configured).
+    default_reward: ClassVar[str | None] = OWN_REWARD
+
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _reward_shorthands(cls, v: Any) -> Any:
+        return normalise_reward_spec(v)
+
+    def warm_start_refusal(self) -> str | None:
+        """Why this task cannot give a supervised warm start (None when it can)."""
+        return None
 
 
 class TaskDataError(ValueError):

@@ -5,7 +5,7 @@ ftis-method.md section 8: chat-template prompt with a system prompt asking for
 think block followed by exactly one answer block, ends with ``</answer>``, and the answer verifies
 against the gold answer with math-verify; else 0.
 
-Choices where the paper is silent (documented for docs/math.md):
+Choices where the paper is silent (docs/tasks.md, "GSM8K and MATH" gives the whole format):
 - format: the stripped completion must *start* with ``<think>`` and only whitespace may separate
   ``</think>`` from ``<answer>`` (the usual ``^<think>.*</think>\\s*<answer>.*</answer>$``);
   each of the four tags must occur exactly once.
@@ -13,6 +13,8 @@ Choices where the paper is silent (documented for docs/math.md):
   use the whole answer, stripped.
 - answers longer than ``MAX_ANSWER_CHARS`` score 0 without being parsed (math-verify can be slow on
   long garbage).
+- warm-start target: ``<think> solution </think><answer> gold </answer>`` (``warmstart_target``),
+  so a warm-started model learns the very format the reward asks for.
 - eval caps (``test_size``, ``ood_size``) keep the first n records of the file, in file order.
 """
 
@@ -27,11 +29,11 @@ from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from importlib.resources import files
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from ftis.tasks.base import Problem, TaskDataError, as_id_list, plain_prompt_ids
+from ftis.tasks.base import Problem, TaskConfigBase, TaskDataError, as_id_list, plain_prompt_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -54,12 +56,15 @@ _TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 # --------------------------------------------------------------------------------------- config
 
 
-class GSM8KTaskConfig(BaseModel):
+class GSM8KTaskConfig(TaskConfigBase):
     """GSM8K-style task: train/test files of question + reasoned answer, optional MATH-style OOD."""
 
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["gsm8k"] = Field(default="gsm8k", description="Task selector.")
+    default_reward: ClassVar[str | None] = "builtin:gsm8k"
+    # the warm start's target format (`GSM8KTask.warmstart_target`); part of its cache key
+    warmstart_target_format: ClassVar[str] = "think-answer-1"
     train_file: str = Field(
         description="Train problems: a .jsonl/.json/.parquet path, 'fixture:NAME' for a file "
         "shipped with ftis, or 'hf://REPO[:CONFIG[:SPLIT]]' (needs `datasets` and a network)."
@@ -252,7 +257,11 @@ def _problems(
                     f"{field}: record {i} of {spec!r} has no field {key!r} (fields: "
                     f"{sorted(record)}); set {cfg_field} to the field that holds it"
                 )
-        problems.append(Problem(i, str(record[question_field]), gold_answer(record[answer_field])))
+        rest = {k: v for k, v in record.items() if k not in (question_field, answer_field)}
+        fields = {**rest, "solution": str(record[answer_field])}
+        problems.append(
+            Problem(i, str(record[question_field]), gold_answer(record[answer_field]), fields)
+        )
     if limit is not None and len(records) < limit:
         logger.warning(
             "%s: %s has %d records, fewer than the cap %d", field, spec, len(records), limit
@@ -397,11 +406,33 @@ class GSM8KTask:
         answer = extract_answer(completion)
         return 1.0 if answer is not None and answer_matches(answer, problem.answer) else 0.0
 
+    def warmstart_target(self, problem: Problem) -> str:
+        """Supervised warm-start completion in the reward's full format: the record's worked
+        solution (the text before '####', calculator annotations '<<...>>' removed, whitespace
+        collapsed) in the think block, the gold answer in the answer block."""
+        return warmstart_target(problem.fields.get("solution", ""), problem.answer)
+
     def extract_answer(self, completion: str) -> str | None:
         """The answer block of a well-formed completion in a cheap canonical form (no '$',
         thousands commas or final '.'), else None; eval counts distinct answers with it."""
         answer = extract_answer(completion)
         return None if answer is None else _normalise(answer)
+
+
+_CALCULATOR = re.compile(r"<<[^<>]*>>")
+
+
+def warmstart_target(solution: str, gold: str) -> str:
+    """`<think> reasoning </think><answer> gold </answer>`: the reasoning is `solution` before
+    its last '####' (all of it when there is none and it is not just the gold answer),
+    without GSM8K's calculator annotations; the reward's own format (docs/tasks.md)."""
+    text = str(solution)
+    reasoning = text.rsplit("####", 1)[0] if "####" in text else text
+    reasoning = " ".join(_CALCULATOR.sub("", reasoning).split())
+    if reasoning == gold.strip() or any(tag in reasoning for tag in _TAGS):
+        reasoning = ""
+    think = f"<think> {reasoning} </think>" if reasoning else "<think> </think>"
+    return f"{think}<answer> {gold} </answer>"
 
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, system: str, question: str) -> list[int]:

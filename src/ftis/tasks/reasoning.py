@@ -73,12 +73,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from hashlib import blake2b
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ftis.tasks.arithmetic import HELDOUT_BUCKETS, TRAIN_SIZE, is_heldout
-from ftis.tasks.base import Problem, TaskDataError, plain_prompt_ids
+from ftis.tasks.base import Problem, TaskConfigBase, TaskDataError, plain_prompt_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -136,12 +136,13 @@ class ReasoningVariant(BaseModel):
         return self
 
 
-class ReasoningTaskConfig(BaseModel):
+class ReasoningTaskConfig(TaskConfigBase):
     """The embedded reasoning task: column arithmetic with a worked trace, from a seed."""
 
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["reasoning"] = Field(default="reasoning", description="Task selector.")
+    default_reward: ClassVar[str | None] = "builtin:reasoning"
     seed: int = Field(
         default=0, description="Seed of every split; all peers must share it to share indices."
     )

@@ -17,7 +17,9 @@ import torch
 
 from ftis.config import EvalConfig, TrainConfig
 from ftis.core.passk import pass_at_k
-from ftis.rollout.sampler import decode_completions, sample
+from ftis.rewards.decode import decode_for_reward
+from ftis.rewards.runtime import task_rewards
+from ftis.rollout.sampler import sample
 from ftis.tasks.base import Task
 from ftis.train.node import Node
 
@@ -71,10 +73,10 @@ def _samples(
             temperature=temperature,
             generator=generator,
         )
-        texts = decode_completions(tok, s.completion_ids, s.lengths)
+        texts = decode_for_reward(tok, s.completion_ids, s.lengths)
         if texts_out is not None:
             texts_out += texts
-        out += [task.reward(chunk[j // num_samples], t) for j, t in enumerate(texts)]
+        out += task_rewards(task, [chunk[j // num_samples] for j in range(len(texts))], texts)
         if extract is not None:
             answers += [extract(t) for t in texts]
     rewards = torch.tensor(out, dtype=torch.float32).view(len(problems), num_samples)

@@ -129,7 +129,7 @@ def train_node(
     stop = stop or StopFlag()
     transport = transport or LocalTransport()
     node_cfg = cfg.nodes[rank]
-    task = build_task(cfg.task)
+    task = build_task(cfg.task, reward=node_cfg.reward)
     node = build_node(
         node_cfg,
         rank=rank,
@@ -195,7 +195,10 @@ def train_node(
     first_eval: dict[str, float] = {}
     if start == 0 or found is None:  # before training (at the join step for a late joiner)
         first_eval = last_eval = run_eval(start)
-        logger.log(start, {**first_eval, **timer.pop(), "time/setup": setup_seconds})
+        logger.log(
+            start,
+            {**first_eval, **timer.pop(), "time/setup": setup_seconds, **_reward_stats(task)},
+        )
         if progress:
             progress("step", step=start, total=tc.steps, metrics=first_eval)
 
@@ -231,7 +234,10 @@ def train_node(
                     metrics.update(last_eval)
                     first_eval = first_eval or last_eval
                 metrics.update(timer.pop())
+                metrics.update(_reward_stats(task))
                 logger.log(step, metrics)
+                if start == 0 and step == min(ZERO_REWARD_STEPS, tc.steps):
+                    _warn_if_zero_rewards(task, node.name, step)
                 done = step
                 if step == tc.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                     checkpoint(step)
@@ -260,6 +266,35 @@ def train_node(
         steps=tc.steps,
         interrupted=done < tc.steps,
         last_step=done,
+    )
+
+
+ZERO_REWARD_STEPS = 5  # the first steps whose rewards, all 0, earn a warning
+
+
+def _reward_stats(task) -> dict[str, float]:
+    """The reward's counters since the last row (`ftis.rewards.runtime.Reward.pop_stats`)."""
+    pop = getattr(task, "pop_reward_stats", None)
+    return pop() if callable(pop) else {}
+
+
+def _warn_if_zero_rewards(task, name: str, step: int) -> None:
+    reward = getattr(task, "reward_fn", None)
+    if reward is None or reward.total_scored == 0 or reward.total_nonzero:
+        return
+    log.warning("node %s: %s", name, zero_reward_message(reward.total_scored, step, reward.names))
+
+
+def zero_reward_message(scored: int, step: int, names: list[str]) -> str:
+    """Why every reward of the first steps may be 0: the likely causes, for the log and the
+    summary."""
+    return (
+        f"every one of the {scored} completions scored in steps 0-{step} earned reward 0 "
+        f"(reward: {', '.join(names)}). Likely causes: the completions miss the format the "
+        "reward wants (look at samples.jsonl); the reward's markers (<think>, <answer>, ####) "
+        "are special tokens the model never emits or the prompt never asks for; a reward that "
+        "raises (see reward/errors/* in metrics.jsonl and the warnings above); a model too weak "
+        "for the task (a warm start, docs/tasks.md)"
     )
 
 

@@ -6,17 +6,20 @@ from __future__ import annotations
 import torch
 
 from ftis.core.advantages import flat_group_advantages
-from ftis.rollout.sampler import decode_completions
+from ftis.rewards.decode import decode_for_reward
+from ftis.rewards.runtime import task_rewards
 from ftis.rollout.types import RolloutBatch
 from ftis.tasks.base import Task
 
 
 def score(task: Task, tokenizer, batch: RolloutBatch) -> torch.Tensor:
-    """(N,) rewards recomputed by this node's own verifier; a peer's claim is never used."""
+    """(N,) rewards recomputed by this node's own configured reward (`ftis.rewards`; the
+    completions decoded with the tokenizer's added special tokens kept); a peer's claim is
+    never used."""
     train = task.split("train")
-    texts = decode_completions(tokenizer, batch.completion_ids, batch.lengths)
-    rewards = [task.reward(train[i], text) for i, text in zip(batch.prompt_index.tolist(), texts)]
-    return torch.tensor(rewards, dtype=torch.float32)
+    texts = decode_for_reward(tokenizer, batch.completion_ids, batch.lengths)
+    problems = [train[i] for i in batch.prompt_index.tolist()]
+    return torch.tensor(task_rewards(task, problems, texts), dtype=torch.float32)
 
 
 GroupBy = str  # "prompt" or "generator"

@@ -136,7 +136,7 @@ class LocalClient:
             node_cfg = node_cfg.model_copy(update={"model": model, "warm_start": None})
         self.node: Node = build_node(node_cfg, rank=rank, task_cfg=cfg.task)
         spec = self.algo.client_spec(self.name)
-        self.task: Task = build_task(self.algo.client_task(cfg, self.name))
+        self.task: Task = build_task(self.algo.client_task(cfg, self.name), reward=node_cfg.reward)
         self.scaled = ScaledTask(self.task, spec.reward_scale)
         self.seed = client_seed(cfg.train.seed, self.name)
         self.train_cfg: TrainConfig = cfg.train.model_copy(update={"seed": self.seed})

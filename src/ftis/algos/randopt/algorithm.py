@@ -102,7 +102,7 @@ class PopulationAlgorithm:
         self.base_digest = hashlib.sha256(f"{self.base_sha}|{self.rebuild_sha}".encode()).digest()[
             :16
         ]
-        own_task = build_task(a.node_task(ctx.cfg, ctx.node.name))
+        own_task = build_task(a.node_task(ctx.cfg, ctx.node.name), reward=ctx.node.cfg.reward)
         self.own_task = own_task
         corp = isinstance(a, CoRPConfig)
         self.gate = corp and a.validation_gate  # type: ignore[union-attr]

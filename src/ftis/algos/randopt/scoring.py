@@ -15,7 +15,9 @@ from hashlib import blake2b
 
 import torch
 
-from ftis.rollout.sampler import decode_completions, sample
+from ftis.rewards.decode import decode_for_reward
+from ftis.rewards.runtime import task_rewards
+from ftis.rollout.sampler import sample
 from ftis.tasks.base import Problem, Task
 from ftis.train.evaluate import answer_extractor
 from ftis.train.node import Node
@@ -87,16 +89,17 @@ def greedy_completions(
             pad_id=tok.pad_token_id,
             temperature=0.0,
         )
-        texts += decode_completions(tok, s.completion_ids, s.lengths)
+        texts += decode_for_reward(tok, s.completion_ids, s.lengths)
         tokens += int(s.prompt_mask.sum()) + int(s.lengths.sum())
     return texts, tokens
 
 
 def rewards_of(task: Task, ps: ProblemSet, texts: list[str]) -> tuple[list[float], int]:
     """(each completion's reward, how many were non-finite and counted as 0)."""
+    if len(ps.problems) != len(texts):
+        raise ValueError(f"{len(texts)} completions for {len(ps.problems)} problems")
     out, bad = [], 0
-    for p, t in zip(ps.problems, texts, strict=True):
-        r = float(task.reward(p, t))
+    for r in task_rewards(task, list(ps.problems), texts):
         if not math.isfinite(r):
             r, bad = 0.0, bad + 1
         out.append(r)

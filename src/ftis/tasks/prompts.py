@@ -1,0 +1,266 @@
+"""Prompt datasets of one's own: rows with a `prompt` string or a `messages` chat, scored by a
+configured reward (docs/tasks.md, "Your own prompts").
+
+Sources: a local .jsonl/.json/.parquet/.csv file, a local dataset directory (one written by
+`datasets`' `save_to_disk`, or a folder of data files that `datasets.load_dataset` reads) given as
+a path or as `hf:///abs/dir[:CONFIG[:SPLIT]]`, or `hf://REPO[:CONFIG[:SPLIT]]` (needs a network).
+
+Choices where nothing else decides:
+- a `messages` row is formatted with the node's tokenizer's chat template when it has one (per
+  model: two nodes with different templates see the same conversation in their own format),
+  else as "role: content" lines followed by "assistant: ";
+- a `prompt` row is one user message (after `system_prompt` when set);
+- the reward's `prompt` argument is the prompt string, or the "role: content" lines of the
+  messages; every column of the row is in its `fields`;
+- without `test_file`, a `test_fraction` of the rows (at least one) is held out, chosen by
+  `split_seed` from the file's order: the same rows on every run and every machine.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import os
+import random
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from ftis.tasks.base import Problem, TaskConfigBase, TaskDataError, as_id_list, plain_prompt_ids
+from ftis.tasks.gsm8k import HF_SCHEME, load_records
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+
+class PromptsTaskConfig(TaskConfigBase):
+    """Your own prompts: a dataset with a `prompt` or a `messages` column, and your reward."""
+
+    kind: Literal["prompts"] = Field(default="prompts", description="Task selector.")
+    default_reward: ClassVar[str | None] = None  # the reward must be configured
+
+    train_file: str = Field(
+        description="Rows: a .jsonl/.json/.parquet/.csv file, a local dataset directory (a path "
+        "or hf:///abs/dir[:CONFIG[:SPLIT]]), or hf://REPO[:CONFIG[:SPLIT]]."
+    )
+    test_file: str | None = Field(
+        None, description="Held-out rows, same forms; null = hold out test_fraction of train_file."
+    )
+    test_fraction: float = Field(
+        0.1, gt=0, lt=1, description="Share of train_file's rows held out when test_file is null."
+    )
+    test_size: int | None = Field(
+        None, ge=1, description="Keep at most this many held-out rows (their first ones)."
+    )
+    split_seed: int = Field(0, description="Seed of the held-out rows' choice (test_fraction).")
+    prompt_field: str = Field("prompt", description="Column holding a prompt string.")
+    messages_field: str = Field(
+        "messages", description="Column holding a chat: a list of {role, content}."
+    )
+    system_prompt: str | None = Field(
+        None, description="System message put before each `prompt` row's question (not `messages`)."
+    )
+    use_chat_template: bool | None = Field(
+        None,
+        description="null = the tokenizer's chat template when it has one, false = always the "
+        "plain 'role: content' text, true = require a template.",
+    )
+    warmstart_field: str | None = Field(
+        None,
+        description="Column holding a completion in the format your reward wants; a warm start "
+        "trains on it (a warm start without it is refused).",
+    )
+
+    @field_validator("train_file", "test_file", mode="before")
+    @classmethod
+    def _path_to_str(cls, value: Any) -> Any:
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+    @model_validator(mode="after")
+    def _check(self) -> PromptsTaskConfig:
+        if not self.train_file.strip():
+            raise ValueError("train_file is empty: give a .jsonl/.parquet/.csv path or a directory")
+        return self
+
+    def warm_start_refusal(self) -> str | None:
+        if self.warmstart_field is None:
+            return (
+                "the prompts task has no supervised target: set task.warmstart_field to a column "
+                "holding completions in the format your reward expects, or remove warm_start"
+            )
+        return None
+
+
+def load_rows(spec: str, *, field: str, default_split: str) -> list[dict[str, Any]]:
+    """The rows of a file, a local dataset directory or hf://...; `field` names the config field
+    in errors."""
+    if spec.startswith(HF_SCHEME) or Path(spec).is_dir():
+        return _load_dataset(spec, field=field, default_split=default_split)
+    if Path(spec).suffix.lower() == ".csv":
+        path = Path(spec)
+        if not path.is_file():
+            raise TaskDataError(f"{field}: file not found: {spec!r} (from {os.getcwd()!r})")
+        with path.open(encoding="utf-8", newline="") as f:
+            return [dict(r) for r in csv.DictReader(f)]
+    return load_records(spec, field=field, default_split=default_split)
+
+
+def _load_dataset(spec: str, *, field: str, default_split: str) -> list[dict[str, Any]]:
+    body = spec[len(HF_SCHEME) :] if spec.startswith(HF_SCHEME) else spec
+    parts = body.split(":")
+    if len(parts) > 3 or not parts[0]:
+        raise TaskDataError(f"{field}={spec!r}: write it as hf:///abs/dir[:CONFIG[:SPLIT]]")
+    where = parts[0]
+    config = parts[1] if len(parts) > 1 and parts[1] else None
+    split = parts[2] if len(parts) > 2 and parts[2] else default_split
+    try:
+        import datasets
+    except ImportError as e:
+        raise TaskDataError(
+            f"{field}={spec!r} needs the `datasets` package: pip install 'ftis[datasets]', or "
+            "save the rows as .jsonl/.parquet/.csv"
+        ) from e
+    try:
+        if Path(where).is_dir() and any(
+            (Path(where) / f).is_file() for f in ("dataset_dict.json", "state.json")
+        ):
+            ds = datasets.load_from_disk(where)  # written by save_to_disk
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise TaskDataError(
+                        f"{field}={spec!r}: no split {split!r}; it has {sorted(ds)} (give one as "
+                        "hf:///dir::SPLIT)"
+                    )
+                ds = ds[split]
+        else:
+            ds = datasets.load_dataset(where, config, split=split)
+    except TaskDataError:
+        raise
+    except Exception as e:
+        raise TaskDataError(
+            f"{field}={spec!r}: could not load {where!r} (config {config!r}, split {split!r}): {e}"
+        ) from e
+    return [dict(r) for r in ds]
+
+
+def _plain_chat(messages: Sequence[Mapping[str, Any]]) -> str:
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+
+
+class PromptsTask:
+    """Rows of prompts or chats; implements ``ftis.tasks.base.Task`` except the reward, which
+    is configured (``build_task`` supplies it)."""
+
+    name = "prompts"
+
+    def __init__(self, cfg: PromptsTaskConfig | Mapping[str, Any]) -> None:
+        raw = cfg if isinstance(cfg, Mapping) else cfg.model_dump()
+        self.cfg = PromptsTaskConfig.model_validate(raw)
+        c = self.cfg
+        train = load_rows(c.train_file, field="train_file", default_split="train")
+        if c.test_file is not None:
+            test = load_rows(c.test_file, field="test_file", default_split="test")
+        else:
+            order = list(range(len(train)))
+            random.Random(c.split_seed).shuffle(order)
+            n_test = max(1, math.ceil(c.test_fraction * len(train)))
+            if len(train) - n_test < 1:
+                raise TaskDataError(
+                    f"train_file: {c.train_file!r} has {len(train)} rows, too few to hold out "
+                    f"test_fraction={c.test_fraction}; add rows or give a test_file"
+                )
+            held = set(order[:n_test])
+            test = [r for i, r in enumerate(train) if i in held]
+            train = [r for i, r in enumerate(train) if i not in held]
+        if c.test_size is not None:
+            test = test[: c.test_size]
+        self._splits = {
+            "train": self._problems(train, "train_file"),
+            "test": self._problems(test, "test_file" if c.test_file else "train_file"),
+        }
+        self.eval_splits: tuple[str, ...] = ("test",)
+        logger.info("prompts task: %s", {k: len(v) for k, v in self._splits.items()})
+
+    def _problems(self, rows: list[Any], field: str) -> tuple[Problem, ...]:
+        c = self.cfg
+        if not rows:
+            raise TaskDataError(f"{field}: no rows")
+        out = []
+        for i, row in enumerate(rows):
+            if not isinstance(row, Mapping):
+                raise TaskDataError(f"{field}: row {i} is not an object: {row!r:.80}")
+            messages = row.get(c.messages_field)
+            if messages is not None:
+                if not isinstance(messages, list) or not all(
+                    isinstance(m, Mapping) and "role" in m and "content" in m for m in messages
+                ):
+                    raise TaskDataError(
+                        f"{field}: row {i}: {c.messages_field!r} must be a list of "
+                        "{role, content} objects"
+                    )
+                question = _plain_chat(messages)
+            elif row.get(c.prompt_field) is not None:
+                question = str(row[c.prompt_field])
+            else:
+                raise TaskDataError(
+                    f"{field}: row {i} has neither {c.prompt_field!r} nor {c.messages_field!r} "
+                    f"(columns: {sorted(row)}); set prompt_field or messages_field"
+                )
+            if field == "train_file" and c.warmstart_field and row.get(c.warmstart_field) is None:
+                raise TaskDataError(
+                    f"{field}: row {i} has no {c.warmstart_field!r} (warmstart_field); add it to "
+                    "every row or unset warmstart_field"
+                )
+            out.append(Problem(i, question, str(row.get("answer", "")), fields=dict(row)))
+        return tuple(out)
+
+    def split(self, name: str) -> Sequence[Problem]:
+        if name not in self._splits:
+            raise ValueError(f"prompts task has no split {name!r}; use one of {list(self._splits)}")
+        return self._splits[name]
+
+    def messages(self, problem: Problem) -> list[dict[str, Any]]:
+        """The chat of a problem: its `messages`, or [system?, user: prompt]."""
+        got = problem.fields.get(self.cfg.messages_field)
+        if got is not None:
+            return [dict(m) for m in got]
+        out = (
+            []
+            if self.cfg.system_prompt is None
+            else [{"role": "system", "content": self.cfg.system_prompt}]
+        )
+        return out + [{"role": "user", "content": problem.question}]
+
+    def uses_chat_template(self, tokenizer: PreTrainedTokenizerBase) -> bool:
+        has_template = getattr(tokenizer, "chat_template", None) is not None
+        if self.cfg.use_chat_template is True and not has_template:
+            raise ValueError(
+                "task.use_chat_template is true but the tokenizer has no chat template: set it "
+                "to null (auto) or false"
+            )
+        return has_template and self.cfg.use_chat_template is not False
+
+    def prompt_ids(self, problem: Problem, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+        """The chat through the tokenizer's template (ending in the assistant turn) when used,
+        else its "role: content" lines and "assistant: " as plain text."""
+        messages = self.messages(problem)
+        if self.uses_chat_template(tokenizer):
+            out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return as_id_list(out)
+        return plain_prompt_ids(tokenizer, _plain_chat(messages) + "\nassistant: ")
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        raise ValueError(
+            "the prompts task has no built-in reward: set task.reward (e.g. my_rewards:score)"
+        )
+
+    def warmstart_target(self, problem: Problem) -> str:
+        """The row's `warmstart_field` (the warm start trains on it)."""
+        if self.cfg.warmstart_field is None:
+            raise ValueError(self.cfg.warm_start_refusal())
+        return str(problem.fields[self.cfg.warmstart_field])

@@ -1,0 +1,86 @@
+"""The examples run as documented, at their smallest settings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ftis.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+OWN = ROOT / "examples" / "own-reward"
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem + "_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_own_reward_prompts_file_is_what_its_script_writes():
+    make = _load(OWN / "make_prompts.py")
+    assert (OWN / "prompts.jsonl").read_text() == make.text()
+    rows = [json.loads(line) for line in (OWN / "prompts.jsonl").read_text().splitlines()]
+    assert len(rows) == 48 and all(r["messages"][-1]["role"] == "user" for r in rows)
+
+
+def test_own_reward_functions():
+    rw = _load(OWN / "my_reward.py")
+    f = {"answer": "17"}
+    assert rw.exact_answer_short("", "17", f) == 1.0
+    assert math.isclose(rw.exact_answer_short("", " 17 apples", f), 1.0 - 0.05 * 7)
+    assert rw.exact_answer_short("", "16", f) == 0.0
+    import asyncio
+
+    assert asyncio.run(rw.digits_only("", "-3", f)) == 1.0
+    assert asyncio.run(rw.digits_only("", "3 x", f)) == 0.0
+
+
+@pytest.mark.slow
+def test_own_reward_example_runs(tmp_path, monkeypatch):
+    """Two different models (llama-xs, qwen2-s), the user's reward module, two RL steps after a
+    tiny warm start: samples.jsonl holds each model's completions and the rewards they earned,
+    recomputed here from the user's functions."""
+    monkeypatch.chdir(ROOT)  # the config names its files from the repository root
+    out = tmp_path / "run"
+    tiny = [
+        "train.steps=2",
+        "train.prompts_per_step=2",
+        "train.group_size=2",
+        "train.max_new_tokens=4",
+        "eval.size=4",
+        "log.progress=false",
+        *(f"nodes.{i}.warm_start.steps=5" for i in (0, 1)),
+    ]
+    args = ["run", str(OWN / "config.yaml"), "--out", str(out)]
+    res = CliRunner().invoke(app, args + [a for s in tiny for a in ("--set", s)])
+    assert res.exit_code == 0, res.output
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert {s["node"] for s in samples} == {"llama", "qwen"}
+    assert {s["step"] for s in samples} == {0, 2}
+    rw = _load(OWN / "my_reward.py")
+    import asyncio
+
+    prompts = {
+        "\n".join(f"{m['role']}: {m['content']}" for m in json.loads(line)["messages"]): json.loads(
+            line
+        )
+        for line in (OWN / "prompts.jsonl").read_text().splitlines()
+    }
+    for s in samples:
+        assert isinstance(s["completion"], str)
+        row = prompts[s["prompt"]]
+        expected = rw.exact_answer_short(s["prompt"], s["completion"], row) + 0.2 * asyncio.run(
+            rw.digits_only(s["prompt"], s["completion"], row)
+        )
+        assert math.isclose(s["reward"], expected, abs_tol=1e-6), s
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    name = "reward/errors/my_reward.py:digits_only"
+    assert all(r.get(name) == 0.0 for r in rows if r["step"] >= 1)
+    assert all(r["reward/scored"] > 0 for r in rows)
