@@ -372,18 +372,27 @@ def plot_hacpo(
     axes = np.atleast_1d(axes)
     drew = False
     for ax, (p, nodes) in zip(axes, pairings, strict=False):
-        for n in nodes:
+        right = ax.twinx()  # omega spans 0.1-10: a log axis of its own
+        for i, n in enumerate(nodes):
+            color = f"C{i}"
             s, cap = data.series(p, method, n, "hacpo/capability")
             s2, omega = data.series(p, method, n, "hacpo/discrepancy")
             if s:
-                ax.plot(s, cap, label=f"{n}: capability")
+                ax.plot(s, cap, color=color, label=f"{n}: capability P")
                 drew = True
             if s2:
-                ax.plot(s2, omega, linestyle="--", label=f"{n}: discrepancy of peer")
+                right.plot(s2, omega, color=color, linestyle="--", label=f"{n}: omega of its peer")
         ax.set_title(p)
         ax.set_xlabel("RL step")
+        ax.set_ylabel("capability (solid)")
+        ax.set_ylim(0, 1)
+        right.set_yscale("log")
+        right.set_ylim(0.08, 12)
+        right.set_ylabel("discrepancy omega (dashed)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        handles = ax.get_legend_handles_labels()
+        more = right.get_legend_handles_labels()
+        ax.legend(handles[0] + more[0], handles[1] + more[1], fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
@@ -436,8 +445,8 @@ def _pairing_nodes(study: Any) -> dict[str, list[str]]:
 
 def _setup(study: Any, nodes: dict[str, list[str]]) -> list[str]:
     spec = study.spec
-    first = {}
-    for run in study.runs:
+    first: dict[str, Any] = {}
+    for run in sorted(study.runs, key=lambda r: r.node is not None):  # a run of both nodes first
         first.setdefault(run.pairing, run.config)
     prow = []
     for key, p in spec.pairings.items():
