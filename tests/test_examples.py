@@ -46,7 +46,8 @@ def test_own_reward_functions():
 def test_own_reward_example_runs(tmp_path, monkeypatch):
     """Two different models (llama-xs, qwen2-s), the user's reward module, two RL steps after a
     tiny warm start: samples.jsonl holds each model's completions and the rewards they earned,
-    recomputed here from the user's functions."""
+    recomputed here from the user's functions; `ftis export` writes a merged model that plain
+    transformers loads and generates from."""
     monkeypatch.chdir(ROOT)  # the config names its files from the repository root
     out = tmp_path / "run"
     tiny = [
@@ -84,3 +85,15 @@ def test_own_reward_example_runs(tmp_path, monkeypatch):
     name = "reward/errors/my_reward.py:digits_only"
     assert all(r.get(name) == 0.0 for r in rows if r["step"] >= 1)
     assert all(r["reward/scored"] > 0 for r in rows)
+    # the user's trained model, merged and standalone: plain transformers loads it and generates
+    export = tmp_path / "qwen-export"
+    res = CliRunner().invoke(app, ["export", str(out), "qwen", "--out", str(export)])
+    assert res.exit_code == 0, res.output
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(export)
+    tok = AutoTokenizer.from_pretrained(export)
+    ids = torch.tensor([tok.encode("user: 2+3")])
+    gen = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert gen.shape[1] > ids.shape[1]
