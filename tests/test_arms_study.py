@@ -284,7 +284,7 @@ def test_dpo_document_numbers(tmp_path):
     assert (
         "| ring | 0.333 | 0.889 | 1.50e-02 ± 0.0e+00 | 1.50e-03 ± 0.0e+00 | 0.100 ± 0.000 |" in text
     )
-    assert "| fed S1 | 1 of 4 | 0 | last-participation | 0.00 ± 0.00 | 75.0 ± 0.0 |" in text
+    assert "| fed S1 | 1 of 4 | 0 | age | 0.00 ± 0.00 | 75.0 ± 0.0 |" in text
     # the paired table: the first FedDPO arm is a reference; one seed gives no interval
     assert "| ring | fed S1 | n/a (1 seed) | n/a (1 seed) | 1 |" in text
     assert (tmp_path / "results" / "dpo" / "consensus.png").exists()

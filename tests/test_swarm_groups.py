@@ -93,9 +93,9 @@ def _learn(algo: FTISAlgorithm, received, own, groups: str, monkeypatch):
     seen = {}
     real = algo._update
 
-    def capture(batch, adv, step):
+    def capture(batch, adv, step, **kw):
         seen["adv"] = adv.clone()
-        return real(batch, adv, step)
+        return real(batch, adv, step, **kw)
 
     algo._update = capture
     algo.learn(received, own, 1, groups=groups)
