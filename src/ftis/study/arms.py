@@ -23,7 +23,6 @@ from scratch), `--only` and `--dry-run` are those of `ftis sweep` (ftis.study.ru
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -32,9 +31,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ftis.config import ConfigError, RunConfig, format_validation_error, load_config
-from ftis.study.document import READING_BEGIN, READING_END, code_line, invocations_line, rel, table
+from ftis.study.document import code_line, invocations_line, reading_lines, rel, table
 from ftis.study.registry import get_study_renderer
-from ftis.study.runner import RUN_META, plan, run_status
+from ftis.study.runner import complete_runs, plan
 from ftis.study.spec import _ID, RunSpec, Study, StudyError
 from ftis.train.metrics import read_metrics
 
@@ -176,18 +175,11 @@ def load_arms_study(path: str | Path) -> Study:
 
 def collect(study: Study, out_dir: Path) -> tuple[list[ArmResult], list[str]]:
     """The complete runs' results and the ids of the runs that are not complete."""
-    results, missing = [], []
-    for run in study.runs:
-        d = out_dir / run.id
-        if run_status(d, run.config) != "done":
-            missing.append(run.id)
-            continue
-        try:
-            meta = json.loads((d / RUN_META).read_text())
-        except (OSError, ValueError):
-            meta = {}
-        rows = read_metrics(d / "metrics.jsonl")
-        results.append(ArmResult(run, rows, meta.get("seconds"), meta.get("code")))  # type: ignore[arg-type]
+    done, missing = complete_runs(study, out_dir)
+    results = [
+        ArmResult(run, read_metrics(d / "metrics.jsonl"), meta.get("seconds"), meta.get("code"))  # type: ignore[arg-type]
+        for run, d, meta in done
+    ]
     return results, missing
 
 
@@ -267,12 +259,7 @@ def document_tail(results: list[ArmResult], out_dir: Path, reading: str) -> list
         "",
         *runs_table(results, out_dir),
         "",
-        "## Reading",
-        "",
-        READING_BEGIN,
-        reading.strip() or "_Not written yet._",
-        READING_END,
-        "",
+        *reading_lines(reading),
     ]
 
 

@@ -21,6 +21,18 @@ READING_BEGIN = "<!-- BEGIN hand-written reading: kept when this file is regener
 READING_END = "<!-- END hand-written reading -->"
 
 
+def reading_lines(reading: str) -> list[str]:
+    """The document's closing section: the hand-written reading between its markers."""
+    return [
+        "## Reading",
+        "",
+        READING_BEGIN,
+        reading.strip() or "_Not written yet._",
+        READING_END,
+        "",
+    ]
+
+
 def mean_std(values: list[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (n - 1; 0 for a single value)."""
     m = statistics.fmean(values)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from rich.console import Console
@@ -54,6 +54,23 @@ def run_status(run_dir: Path, cfg: RunConfig) -> Status:
         return "incomplete"
     last = {r.get("node") for r in rows if r.get("step") == cfg.train.steps}
     return "done" if all(n.name in last for n in cfg.nodes) else "incomplete"
+
+
+def complete_runs(study: Any, out_dir: Path) -> tuple[list[tuple[Any, Path, dict]], list[str]]:
+    """(run, its directory, its study-run.json) of every complete run of a study, in the study's
+    order, and the ids of the runs that are not complete: what every renderer's collect reads."""
+    done, missing = [], []
+    for run in study.runs:
+        d = Path(out_dir) / run.id
+        if run_status(d, run.config) != "done":
+            missing.append(run.id)
+            continue
+        try:
+            meta = json.loads((d / RUN_META).read_text())
+        except (OSError, ValueError):
+            meta = {}
+        done.append((run, d, meta))
+    return done, missing
 
 
 @dataclass

@@ -20,11 +20,10 @@ from typing import Any
 from ftis.algos.fgrpo.study import CLIENT_EVAL, FGRPORun, FGRPOStudy, run_state
 from ftis.study.document import (
     DIFFERENCES_NOTE,
-    READING_BEGIN,
-    READING_END,
     Differences,
     fmt_pct,
     mean_std,
+    reading_lines,
 )
 from ftis.study.document import rel as _rel
 from ftis.study.document import table as _table
@@ -667,12 +666,7 @@ def render(
         "",
         *_runs_table(study, results, out_dir),
         "",
-        "## Reading",
-        "",
-        READING_BEGIN,
-        reading.strip() or "_Not written yet._",
-        READING_END,
-        "",
+        *reading_lines(reading),
     ]
     return "\n".join(L)
 

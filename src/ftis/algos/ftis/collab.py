@@ -16,7 +16,6 @@ samples its clipping discards) come from the runs' rows.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from ftis.study.document import READING_BEGIN, READING_END, code_line, invocations_line, rel
+from ftis.study.document import code_line, invocations_line, reading_lines, rel
 from ftis.study.document import fmt_pct as _pct
 from ftis.study.document import table as _table
-from ftis.study.runner import RUN_META, run_status
+from ftis.study.runner import complete_runs
 from ftis.study.stats import PairedDifference, at_equal_tokens, paired_difference, read_evals
 from ftis.train.metrics import read_metrics
 
@@ -416,16 +415,8 @@ class CollabResult:
 def collect(study: Any, out_dir: Path) -> tuple[list[CollabResult], list[str]]:
     """The study's complete runs, each with its node runs, and the ids of the others."""
     results: list[CollabResult] = []
-    missing: list[str] = []
-    for run in study.runs:
-        d = Path(out_dir) / run.id
-        if run_status(d, run.config) != "done":
-            missing.append(run.id)
-            continue
-        try:
-            meta = json.loads((d / RUN_META).read_text())
-        except (OSError, ValueError):
-            meta = {}
+    done, missing = complete_runs(study, out_dir)
+    for run, d, meta in done:
         names = [run.node] if run.node else [n.name for n in run.config.nodes]
         nodes = tuple(NodeRun(run.pairing, run.method, n, run.seed, d) for n in names)
         results.append(CollabResult(run.id, meta.get("seconds"), meta.get("code"), nodes))
@@ -592,12 +583,7 @@ def render(
             ],
         ),
         "",
-        "## Reading",
-        "",
-        READING_BEGIN,
-        reading.strip() or "_Not written yet._",
-        READING_END,
-        "",
+        *reading_lines(reading),
     ]
     return "\n".join(L)
 
