@@ -111,6 +111,9 @@ def test_gossip_resumes_exactly_from_checkpoints(tmp_path):
         # the 2-round run also evaluated at its last round (2): the only extra keys
         assert ra.keys() <= rb.keys(), key(ra)
         assert all(k.startswith("eval/") for k in rb.keys() - ra.keys()), key(ra)
+        extra_eval = bool(rb.keys() - ra.keys())
         for k in ra:
+            if extra_eval and k in ("reward/scored", "reward/nonzero"):
+                continue  # they count the completions that extra evaluation scored
             assert ra[k] == pytest.approx(rb[k], abs=1e-6), (key(ra), k)
     assert any(r.get("gossip/mixed") == 1 for r in b if r["step"] == 3)  # round 3 did gossip

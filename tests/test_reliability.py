@@ -260,19 +260,26 @@ def test_nan_logits_skip_the_update_and_are_counted(tmp_path, monkeypatch):
 
 
 def test_a_nan_reward_counts_as_zero(tmp_path, monkeypatch):
-    from ftis.tasks.arithmetic import ArithmeticTask
+    """The task's reward (its built-in exact match) returns NaN on every other completion: those
+    completions score 0 and are counted (reward/errors/<function>), training goes on."""
+    import ftis.rewards
+    from ftis.rewards import builtin
 
-    real = ArithmeticTask.reward
-    monkeypatch.setattr(
-        ArithmeticTask,
-        "reward",
-        lambda self, p, c: float("nan") if p.index % 2 else real(self, p, c),
-    )
+    real = builtin.exact_match
+    calls = []
+
+    def sometimes_nan(prompt, completion, fields):
+        calls.append(1)
+        return float("nan") if len(calls) % 2 else real(prompt, completion, fields)
+
+    monkeypatch.setattr(builtin, "exact_match", sometimes_nan)
+    # the resolved-reward cache too; monkeypatch restores both afterwards
+    monkeypatch.setitem(ftis.rewards._cache, "builtin:exact_match", sometimes_nan)
     cfg = RunConfig.model_validate(tiny_run_config(steps=2))
     train_node(cfg, rank=0, run_dir=tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if r["step"] > 0]
-    assert sum(r["reward/non_finite"] for r in trained) > 0
+    assert sum(r.get("reward/errors/builtin:exact_match", 0) for r in trained) > 0
     assert all(r["train/skipped_update"] == 0 and r["reward/mean"] is not None for r in trained)
     rewards, n = scoring.finite_rewards(torch.tensor([1.0, float("nan"), float("inf"), 0.0]))
     assert n == 2 and rewards.tolist() == [1.0, 0.0, 0.0, 0.0]
