@@ -21,6 +21,19 @@ READING_BEGIN = "<!-- BEGIN hand-written reading: kept when this file is regener
 READING_END = "<!-- END hand-written reading -->"
 
 
+def partial_lines(done: int, total: int, missing: list[str], study_rel: str) -> list[str]:
+    """The banner of a document whose study is not complete (none when nothing is missing)."""
+    if not missing:
+        return []
+    return [
+        f"> **Partial results: {done} of {total} runs complete.** Missing: "
+        + ", ".join(f"`{m}`" for m in missing[:12])
+        + (f" and {len(missing) - 12} more" if len(missing) > 12 else "")
+        + f". Resume with `ftis sweep {study_rel}` (complete runs are skipped).",
+        "",
+    ]
+
+
 def reading_lines(reading: str) -> list[str]:
     """The document's closing section: the hand-written reading between its markers."""
     return [

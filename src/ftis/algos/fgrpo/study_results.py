@@ -23,6 +23,7 @@ from ftis.study.document import (
     Differences,
     fmt_pct,
     mean_std,
+    partial_lines,
     reading_lines,
 )
 from ftis.study.document import rel as _rel
@@ -598,14 +599,7 @@ def render(
         "hand-written section below. -->",
         "",
     ]
-    if missing:
-        L += [
-            f"> **Partial results: {len(results)} of {len(study.runs)} runs complete.** Missing: "
-            + ", ".join(f"`{m}`" for m in missing[:12])
-            + (f" and {len(missing) - 12} more" if len(missing) > 12 else "")
-            + f". Resume with `ftis sweep {rel}` (complete runs are skipped).",
-            "",
-        ]
+    L += partial_lines(len(results), len(study.runs), missing, rel)
     if study.spec.description:
         L += [study.spec.description.strip(), ""]
     seeds = sorted({r.run.seed for r in results})

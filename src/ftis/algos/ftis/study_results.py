@@ -25,6 +25,7 @@ from ftis.study.document import (
     Differences,
     fmt_pct,
     mean_std,
+    partial_lines,
 )
 from ftis.study.document import code_line as _code_line
 from ftis.study.document import invocations_line as _invocations_line
@@ -434,14 +435,7 @@ def render(
         "section below. -->",
         "",
     ]
-    if missing:
-        L += [
-            f"> **Partial results: {len(results)} of {total} runs complete.** Missing: "
-            + ", ".join(f"`{m}`" for m in missing[:12])
-            + (f" and {len(missing) - 12} more" if len(missing) > 12 else "")
-            + f". Resume with `ftis sweep {rel}` (complete runs are skipped).",
-            "",
-        ]
+    L += partial_lines(len(results), total, missing, rel)
     if study.spec.description:
         L += [study.spec.description.strip(), ""]
     L += [
