@@ -60,3 +60,72 @@ def tiny_node(method: str = "f-tis", *, lr: float | None = None, lora=None):
         tokenizer=char_tokenizer(),
         optimizer=build_optimizer(model, cfg.optim),
     )
+
+
+# ---- the chaos suite (docs/RELIABILITY.md "Chaos suite", scripts/chaos_report.py) -------------
+
+TRACEBACK = "Traceback (most recent call last)"
+ORPHAN_WAIT_S = 10.0  # how long a case's processes may take to go once the case has ended
+
+
+def _tracebacks(root) -> int:
+    """Python tracebacks in the logs a case left under `root` (node and peer logs, launcher
+    output the chaos harness saved): each is a process that crashed instead of stopping."""
+    from pathlib import Path
+
+    n = 0
+    for p in Path(root).rglob("*"):
+        if p.suffix in (".log", ".out", ".error") and p.is_file():
+            n += p.read_text(errors="replace").count(TRACEBACK)
+    return n
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """For a test marked chaos_case(mode, case): record the mode and the case, and afterwards
+    count its crashes (tracebacks in its logs) and orphans (processes it started, directly or
+    not, still alive ORPHAN_WAIT_S after it ended) as the test's properties, which the junit
+    xml of scripts/chaos_report.py carries. While the case runs this process is the child
+    subreaper of its descendants, so a process whose parent died first is still found."""
+    mark = item.get_closest_marker("chaos_case")
+    if mark is None:
+        yield
+        return
+    import contextlib
+    import os
+    import time
+
+    from ftis.launch import stop
+
+    item.user_properties += [("chaos_mode", mark.args[0]), ("chaos_case", mark.args[1])]
+    prctl = stop._prctl()
+    if prctl is not None:
+        prctl(stop._PR_SET_CHILD_SUBREAPER, 1)
+    before = stop.descendants()
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        deadline = time.monotonic() + ORPHAN_WAIT_S
+        while (left := stop.descendants() - before) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = {p for p in left if stop.alive(p)}
+        names = []
+        for p in sorted(left):
+            with contextlib.suppress(OSError):
+                names.append(open(f"/proc/{p}/cmdline", "rb").read().replace(b"\0", b" ")[:80])
+        stop.end_processes(left)
+        if prctl is not None:
+            me = os.getpid()
+            for pid, (state, ppid) in stop._processes().items():
+                if ppid == me and state == "Z" and pid not in before:
+                    with contextlib.suppress(ChildProcessError, OSError):
+                        os.waitpid(pid, os.WNOHANG)
+            prctl(stop._PR_SET_CHILD_SUBREAPER, 0)
+        tmp = item.funcargs.get("tmp_path") if hasattr(item, "funcargs") else None
+        item.user_properties += [
+            ("chaos_orphans", len(left)),
+            ("chaos_orphan_commands", "; ".join(n.decode(errors="replace") for n in names)),
+            ("chaos_crashes", _tracebacks(tmp) if tmp is not None else 0),
+            ("chaos_seconds", round(time.monotonic() - t0, 1)),
+        ]

@@ -1,0 +1,220 @@
+"""The chaos suite (issue 22 item 7, docs/RELIABILITY.md "Chaos suite"): `ftis run` started as a
+user would, then one participant paused past its deadline (SIGSTOP, then SIGCONT), or the
+launcher stopped by SIGTERM, in every mode with participant processes of its own. Each case
+asserts what survived: the others finish, every participant's rows are complete (each step
+once) and the loss is counted in the rows, the resume is exact, and (conftest's chaos_case
+hook) no process of the run outlives the case and no participant crashed with a traceback.
+
+The other cases of the table (a participant killed, malformed records and payloads, the
+in-process modes) are tests of their own elsewhere, marked `chaos_case` where they stand.
+`python scripts/chaos_report.py` runs every chaos_case test and writes the table."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ftis.launch.stop import alive, descendants
+from tests.conftest import tiny_run_config
+from tests.test_stop_protocol import (
+    FTIS,
+    _checkpoint_step,
+    _mentions,
+    _steps,
+    resume,
+    stop_and_resume,
+)
+
+VOLATILE = ("time/", "memory/")  # and every key that measures seconds
+TIMEOUT_S = 8.0  # the exchange's deadline in these runs: a pause lasts longer
+PAUSE_S = TIMEOUT_S + 7.0
+
+
+# ---- the modes run by ftis.launch.multi (one process per node over the run's store) ----------
+
+
+def _ftis(steps: int, method: str = "f-tis") -> dict:
+    data = tiny_run_config(steps=steps)
+    data["nodes"] = [
+        {"name": n, "model": {"preset": "llama-xs"}, "warm_start": None, "loss": {"method": method}}
+        for n in ("a", "b")
+    ]
+    data["eval"]["every"] = 0
+    return data
+
+
+def _gossip(steps: int) -> dict:
+    from tests.test_gossip_dpo import _gossip_config
+
+    return _gossip_config(["a", "b"], steps=steps)
+
+
+def _corp(steps: int) -> dict:
+    from tests.test_randopt import _cfg
+
+    data = _cfg(population=2 * steps, per_step=2)  # stage 0 of `steps` rounds, then one more
+    data["nodes"] = [{**data["nodes"][0], "name": n} for n in ("a", "b")]
+    data["checkpoint"] = {"every": 1}
+    return data
+
+
+MULTI = {
+    "F-TIS": (_ftis, "exchange/lost_peers"),
+    "ReCo": (lambda steps: _ftis(steps, "reco"), "exchange/lost_peers"),
+    "gossip DPO": (_gossip, "gossip/lost_total"),
+    "CoRP": (_corp, "exchange/lost_peers"),
+}
+
+
+def _cases(modes, case: str) -> list:
+    return [pytest.param(m, marks=pytest.mark.chaos_case(m, case), id=m) for m in modes]
+
+
+def _config(mode: str, steps: int) -> dict:
+    data = MULTI[mode][0](steps)
+    data["exchange"] = {**data.get("exchange", {}), "timeout_s": TIMEOUT_S}
+    data.setdefault("checkpoint", {})["every"] = 1
+    return data
+
+
+def _stable(rows: list[dict]) -> dict[tuple[str, int], dict]:
+    return {
+        (r["node"], r["step"]): {
+            k: v for k, v in r.items() if not k.startswith(VOLATILE) and "seconds" not in k
+        }
+        for r in rows
+    }
+
+
+def _all_rows(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
+
+
+def _straight(tmp_path: Path, data: dict) -> list[dict]:
+    """The same run without any fault, for the exact-resume comparison."""
+    cfg = tmp_path / "straight.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    out = tmp_path / "straight"
+    res = subprocess.run(
+        [FTIS, "run", str(cfg), "--out", str(out)], capture_output=True, text=True, timeout=600
+    )
+    (tmp_path / "straight.out").write_text(res.stdout + res.stderr)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    return _all_rows(out)
+
+
+def _worker(launcher: int, rank: int) -> int:
+    """The pid of the node process of `rank` below the launcher."""
+    for pid in descendants(launcher):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"ftis.launch.worker" in cmd and f"RANK={rank}".encode() in env:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} below {launcher}")
+
+
+def _after(step: int, nodes=("a", "b")):
+    return lambda out: all(max(_steps(out, n), default=-1) >= step for n in nodes)
+
+
+def _wait(proc: subprocess.Popen, ready, out: Path, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready(out):
+        assert proc.poll() is None, "the run ended before the fault"
+        assert time.monotonic() < deadline, "the run did not get far enough in time"
+        time.sleep(0.1)
+
+
+def _launch(tmp_path: Path, data: dict) -> tuple[subprocess.Popen, Path]:
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(data))
+    out = tmp_path / "run"
+    log = (tmp_path / "launcher.out").open("w")  # a file: a full pipe would block the launcher
+    proc = subprocess.Popen(
+        [FTIS, "run", str(config), "--out", str(out)], stdout=log, stderr=subprocess.STDOUT
+    )
+    return proc, out
+
+
+def _pause(tmp_path: Path, data: dict, pid_of, *, steps: int) -> tuple[int, Path, float]:
+    """Start the run, SIGSTOP participant b once both have a row of step 1, SIGCONT it
+    PAUSE_S later; return the launcher's exit code, the run directory and when b resumed."""
+    proc, out = _launch(tmp_path, data)
+    kids: set[int] = set()
+    try:
+        _wait(proc, _after(1), out)
+        b = pid_of(proc.pid)
+        kids = descendants(proc.pid)
+        os.kill(b, signal.SIGSTOP)
+        time.sleep(PAUSE_S)
+        os.kill(b, signal.SIGCONT)
+        code = proc.wait(timeout=600)
+    finally:
+        for pid in [proc.pid, *kids]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    return code, out, PAUSE_S
+
+
+def _each_step_once(out: Path, nodes, steps: int) -> None:
+    for n in nodes:
+        assert sorted(_steps(out, n)) == list(range(steps + 1)), (n, _steps(out, n))
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("mode", _cases(MULTI, "pause one past its deadline"))
+def test_a_participant_paused_past_the_deadline(tmp_path, mode):
+    """b is stopped (SIGSTOP) for longer than the exchange's deadline, then continued. a drops
+    it after the deadline (counted in a's rows), does not wait for it again, and finishes; b
+    finds its peer lost or gone and finishes alone: both have every step's row once, the run
+    exits 0, nothing is left behind."""
+    steps = 6
+    code, out, _ = _pause(
+        tmp_path, _config(mode, steps), lambda launcher: _worker(launcher, 1), steps=steps
+    )
+    output = (tmp_path / "launcher.out").read_text()
+    assert code == 0, output[-3000:]
+    _each_step_once(out, ("a", "b"), steps)
+    counter = MULTI[mode][1]
+    a = {r["step"]: r for r in _all_rows(out) if r["node"] == "a"}
+    assert a[steps].get(counter, 0) >= 1, (counter, a[steps])
+    assert not _mentions(out)
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("mode", _cases(MULTI, "SIGTERM to the launcher, exact resume"))
+def test_sigterm_to_the_launcher_then_an_exact_resume(tmp_path, mode):
+    """SIGTERM to `ftis run` alone once both nodes have a row of step 1: exit 130 with the
+    resume command, every node's checkpoint at its last row, nothing left behind; `--resume`
+    then ends with the rows of the same run made without the signal (within 1e-6)."""
+    steps = 12  # enough that the signal lands mid-run on a fast machine too
+    data = _config(mode, steps)
+    data["exchange"]["timeout_s"] = 120.0  # a signal, not the deadline, ends these runs
+    out, output = stop_and_resume(tmp_path, data, signal.SIGTERM, ready=_after(1))
+    (tmp_path / "launcher.out").write_text(output)
+    for n in ("a", "b"):
+        done = max(_steps(out, n))
+        assert 1 <= done < steps and _checkpoint_step(out, n) == done, n
+    (tmp_path / "resume.out").write_text(resume(out))
+    _each_step_once(out, ("a", "b"), steps)
+    got, want = _stable(_all_rows(out)), _stable(_straight(tmp_path, data))
+    assert got.keys() == want.keys()
+    for key, row in want.items():
+        assert got[key].keys() == row.keys(), key
+        for k, v in row.items():
+            if isinstance(v, float) and math.isfinite(v):
+                assert got[key][k] == pytest.approx(v, abs=1e-6), (key, k)
+            else:
+                assert got[key][k] == v, (key, k)
