@@ -97,7 +97,11 @@ def pytest_runtest_call(item: pytest.Item):
 
     from ftis.launch import stop
 
-    item.user_properties += [("chaos_mode", mark.args[0]), ("chaos_case", mark.args[1])]
+    item.user_properties += [
+        ("chaos_mode", mark.args[0]),
+        ("chaos_case", mark.args[1]),
+        ("chaos_default_suite", int(item.get_closest_marker("chaos") is None)),
+    ]
     prctl = stop._prctl()
     if prctl is not None:
         prctl(stop._PR_SET_CHILD_SUBREAPER, 1)

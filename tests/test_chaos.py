@@ -218,3 +218,108 @@ def test_sigterm_to_the_launcher_then_an_exact_resume(tmp_path, mode):
                 assert got[key][k] == pytest.approx(v, abs=1e-6), (key, k)
             else:
                 assert got[key][k] == v, (key, k)
+
+
+# ---- Flower's simulation (FGRPO, FedDPO): the clients run on Ray's worker actors ------------
+
+ROUND_TIMEOUT_S = 40.0  # above a tiny round on a loaded machine; a pause lasts longer
+
+
+def _fgrpo(steps: int) -> dict:
+    from tests.test_stop_protocol import _fgrpo as two_clients
+
+    return two_clients(steps)
+
+
+def _fed_dpo(steps: int) -> dict:
+    from tests.test_fed_dpo import fed_dpo_config
+
+    data = fed_dpo_config(names=("a", "b"), steps=steps)
+    data["eval"]["every"] = 1
+    return data
+
+
+FLOWER = {"FGRPO": _fgrpo, "FedDPO": _fed_dpo}
+
+
+def _client_worker(launcher: int) -> int:
+    """One of Ray's client worker actors below the launcher (the lowest pid)."""
+    for pid in sorted(descendants(launcher)):
+        try:
+            if b"ClientAppActor" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no client worker below {launcher}")
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("mode", _cases(FLOWER, "pause a client worker past the round timeout"))
+def test_a_client_worker_paused_past_the_round_timeout(tmp_path, mode):
+    """A client worker (Ray actor) is stopped once the server has a row of round 1, for longer
+    than the round timeout, then continued. The round it held ends at the timeout with the
+    replies that came (the others' accepted, its clients' dropped and counted); the run goes on,
+    every node (the clients and the server) has every round's row once, the server's counts
+    add up to the clients of each round, and the run exits 0 with nothing left behind."""
+    steps = 4
+    data = FLOWER[mode](steps)
+    data["algorithm"]["simulation"] = {"round_timeout_s": ROUND_TIMEOUT_S}
+    proc, out = _launch(tmp_path, data)
+    kids: set[int] = set()
+    try:
+        _wait(proc, lambda o: max(_steps(o, "server"), default=-1) >= 1, out)
+        worker = _client_worker(proc.pid)
+        kids = descendants(proc.pid)
+        os.kill(worker, signal.SIGSTOP)
+        time.sleep(ROUND_TIMEOUT_S + 10.0)
+        os.kill(worker, signal.SIGCONT)
+        code = proc.wait(timeout=900)
+    finally:
+        for pid in [proc.pid, *kids]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    output = (tmp_path / "launcher.out").read_text()
+    assert code == 0, output[-3000:]
+    _each_step_once(out, ("a", "b", "server"), steps)
+    server = {r["step"]: r for r in _all_rows(out) if r["node"] == "server"}
+    for s in range(1, steps + 1):
+        counted = sum(server[s].get(f"server/{k}", 0) for k in ("accepted", "rejected", "dropped"))
+        assert counted == 2, (s, server[s])
+    assert not _mentions(out)
+
+
+# ---- the hivemind swarm: one process per peer, a DHT, p2pd daemons -----------------------------
+
+
+def _peer(launcher: int, name: str) -> int:
+    for pid in descendants(launcher):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"ftis.algos.swarm.peer" in cmd and cmd[cmd.index(b"--node") + 1] == name.encode():
+            return pid
+    raise AssertionError(f"no peer {name} below {launcher}")
+
+
+@pytest.mark.chaos
+@pytest.mark.chaos_case("swarm hivemind", "pause one past its deadline and TTL")
+def test_a_hivemind_peer_paused_past_its_deadline(tmp_path):
+    """Peer b (its process; its DHT process and p2pd go on) is stopped for longer than the
+    round deadline and the member TTL, then continued. a stops waiting for it (its rounds
+    without b's payload count it late or absent), both finish every round once, exit 0."""
+    pytest.importorskip("hivemind")
+    from tests.test_stop_protocol import _swarm
+
+    steps = 8
+    data = _swarm("hivemind", steps)
+    data["algorithm"].update(deadline_s=TIMEOUT_S, member_ttl_s=TIMEOUT_S)
+    data["checkpoint"] = {"every": 1}
+    code, out, _ = _pause(tmp_path, data, lambda launcher: _peer(launcher, "b"), steps=steps)
+    output = (tmp_path / "launcher.out").read_text()
+    assert code == 0, output[-3000:]
+    _each_step_once(out, ("a", "b"), steps)
+    a = [r for r in _all_rows(out) if r["node"] == "a" and r["step"] > 0]
+    assert min(r.get("swarm/peers_used", 0) for r in a) == 0  # a went on without b's payload
+    assert not _mentions(out)

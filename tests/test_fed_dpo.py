@@ -318,6 +318,7 @@ def _reply(msg: Message, name: str, behaviour: str, value: float) -> Message | N
     return Message(content, reply_to=msg)
 
 
+@pytest.mark.chaos_case("FedDPO", "malformed replies")
 def test_bad_replies_are_rejected_and_counted(tmp_path: Path) -> None:
     """Of ten clients two send good deltas (1 and 3): theta becomes exactly their mean, 2.
     NaN, wrongly shaped, wrongly named and integer arrays, a negative pair count and a reply
@@ -405,6 +406,7 @@ def _server_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "nodes" / "server" / latest / "model" / "model.safetensors"))
 
 
+@pytest.mark.chaos_case("FedDPO", "lost client, NaN delta")
 def test_a_run_with_a_lost_and_a_faulty_client_finishes(tmp_path: Path) -> None:
     """3 clients, 2 rounds: b's round-1 delta holds a NaN (rejected), c is gone from round 2
     (testing.crash_at_step: its train and eval messages fail). a and b finish; every row is

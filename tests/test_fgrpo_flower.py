@@ -256,6 +256,7 @@ def _server_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "nodes" / "server" / latest / "model" / "model.safetensors"))
 
 
+@pytest.mark.chaos_case("FGRPO", "malformed and failing client replies")
 def test_in_process_run_with_faulty_clients(tmp_path: Path) -> None:
     """3 clients, 2 rounds: client b's round-1 delta holds a NaN (rejected), client c drops out
     of round 2. Every client has one row per round with eval/accuracy (eval every round), the

@@ -43,6 +43,7 @@ def _logs(out) -> str:
     )
 
 
+@pytest.mark.chaos_case("gossip DPO", "kill one (hard exit, no goodbye), resume")
 @pytest.mark.slow
 def test_a_killed_agent_is_dropped_and_the_others_finish(tmp_path):
     """Three agents on a triangle; c dies hard at the start of round 2. a and b drop it,

@@ -95,6 +95,7 @@ def test_a_signal_to_the_launcher_alone_checkpoints_every_node(tmp_path, sig):
         parent.wait()
 
 
+@pytest.mark.chaos_case("F-TIS", "SIGKILL the launcher")
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_nodes_stop_when_the_launcher_is_killed(tmp_path):
     """SIGKILL cannot be forwarded: the nodes learn of it from the kernel (SIGTERM) and exit.

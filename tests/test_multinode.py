@@ -164,6 +164,7 @@ def test_one_distributed_node_equals_the_single_node_trainer(tmp_path):
             assert ra[k] == pytest.approx(rb[k], abs=1e-6), k
 
 
+@pytest.mark.chaos_case("F-TIS", "kill one (hard exit, no goodbye), resume")
 def test_a_lost_node_does_not_stop_the_others_and_resumes_alone(tmp_path):
     """Node c dies hard at the start of step 2 (no goodbye: the launcher marks it gone). a and b
     notice, carry on with each other, finish and write the report; the run exits 1 naming c.

@@ -426,6 +426,7 @@ def _forged(payload: bytes, *, values=None, base=None) -> bytes:
     return body + struct.pack("<I", zlib.crc32(body))
 
 
+@pytest.mark.chaos_case("CoRP", "malformed reward vectors")
 def test_malformed_and_non_finite_reward_vectors_are_rejected_counted_and_left_out(tmp_path):
     cfg = RunConfig.model_validate(_cfg("randopt", population=9))
     script = {
@@ -464,6 +465,7 @@ def test_population_configs_say_what_is_wrong():
         load_config(None, ["algorithm.kind=corp", "algorithm.quantiles=[1.5]"])
 
 
+@pytest.mark.chaos_case("CoRP", "kill one (hard exit, no goodbye)")
 @pytest.mark.slow
 def test_a_lost_party_is_left_out_and_the_others_still_agree(tmp_path):
     """Three processes over the store transport; c dies at the start of step 2. a and b pool

@@ -213,6 +213,7 @@ def test_several_steps_reuse_the_rounds_samples(monkeypatch):
     assert out["loss/is_weight_max"] == max(m["is_weight_max"] for m in ms)
 
 
+@pytest.mark.chaos_case("ReCo", "non-finite mini-batch")
 def test_a_non_finite_mini_batch_is_skipped_and_the_others_run():
     node = _node("vis")
     batch = _batch(node)

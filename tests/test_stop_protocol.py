@@ -6,8 +6,9 @@ every row once. F-TIS's own launcher (also gossip, RandOpt, CoRP) is covered by
 tests/test_launch_signals.py; this file covers the launchers of their own: Flower's simulation
 (FGRPO, FedDPO) and the swarm (simulator, hivemind).
 
-The FGRPO case runs in the default suite; the others are marked slow
-(`python -m pytest -m slow tests/test_stop_protocol.py`)."""
+The FGRPO case runs in the default suite; the others are marked chaos
+(`python -m pytest -m chaos tests/test_stop_protocol.py`; all modes' cases:
+`python scripts/chaos_report.py`)."""
 
 from __future__ import annotations
 
@@ -200,6 +201,7 @@ def _check_flower_resumed(out: Path, clients: list[str], steps: int) -> None:
     assert _checkpoint_step(out, "server") == steps
 
 
+@pytest.mark.chaos_case("FGRPO", "SIGTERM to the launcher, resume")
 @pytest.mark.parametrize("sig", [signal.SIGTERM], ids=["SIGTERM"])
 def test_fgrpo_on_flower_stops_checkpoints_and_resumes(tmp_path, sig):
     """SIGTERM used to reach Ray's own handler (sys.exit mid-round: exit 134, no checkpoint)."""
@@ -210,6 +212,7 @@ def test_fgrpo_on_flower_stops_checkpoints_and_resumes(tmp_path, sig):
     _check_flower_resumed(out, ["a", "b"], steps)
 
 
+@pytest.mark.chaos_case("FedDPO", "SIGTERM to the launcher, resume")
 @pytest.mark.chaos
 @pytest.mark.parametrize("sig", [signal.SIGTERM], ids=["SIGTERM"])  # SIGINT: as FGRPO's path
 def test_fed_dpo_on_flower_stops_checkpoints_and_resumes(tmp_path, sig):
@@ -262,6 +265,7 @@ def _check_swarm(out: Path) -> None:
         assert list(range(done[n] + 1)) == sorted(rows)[: done[n] + 1], n
 
 
+@pytest.mark.chaos_case("swarm sim", "SIGTERM to the launcher, resume")
 @pytest.mark.chaos
 @pytest.mark.parametrize("sig", [signal.SIGTERM], ids=["SIGTERM"])  # SIGINT worked before
 def test_the_swarm_simulator_stops_checkpoints_and_resumes(tmp_path, sig):
@@ -271,6 +275,7 @@ def test_the_swarm_simulator_stops_checkpoints_and_resumes(tmp_path, sig):
     _check_swarm(out)
 
 
+@pytest.mark.chaos_case("swarm hivemind", "SIGTERM to the launcher, resume")
 @pytest.mark.chaos
 @pytest.mark.parametrize("sig", [signal.SIGTERM], ids=["SIGTERM"])
 def test_the_hivemind_swarm_stops_checkpoints_and_resumes(tmp_path, sig):
@@ -327,6 +332,7 @@ def _killed_launcher(tmp_path: Path, data: dict, ready) -> dict[str, float]:
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.chaos_case("FGRPO", "SIGKILL the launcher")
 @pytest.mark.chaos
 def test_flower_client_workers_exit_when_the_launcher_is_killed(tmp_path):
     """The client workers (Ray actors running ftis's ClientApp) watch the launcher and exit
@@ -337,6 +343,7 @@ def test_flower_client_workers_exit_when_the_launcher_is_killed(tmp_path):
     assert workers and max(workers.values()) < 10, outlived
 
 
+@pytest.mark.chaos_case("swarm hivemind", "SIGKILL the launcher")
 @pytest.mark.chaos
 def test_hivemind_peers_stop_when_the_launcher_is_killed(tmp_path):
     """The peers get SIGTERM from the kernel (PR_SET_PDEATHSIG), checkpoint and leave; their

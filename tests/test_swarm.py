@@ -116,6 +116,7 @@ def test_a_late_joiner_starts_at_the_swarms_current_round():
     assert b.join_step(0) == 0  # nobody live: start from scratch
 
 
+@pytest.mark.chaos_case("swarm hivemind", "hostile heartbeat records")
 def test_hostile_heartbeats_are_rejected_and_counted_not_fatal():
     """Issue 22: `["live", "abc"]` under the members key killed every peer (int("abc")), and
     `["live", 10**12]` made a late joiner join at round 10**12 and the others wait for it. Now
@@ -389,6 +390,7 @@ def _batch(prompts: list[int], generator: int) -> RolloutBatch:
     )
 
 
+@pytest.mark.chaos_case("swarm sim", "malformed, stale and out-of-round payloads")
 @pytest.mark.slow
 def test_malformed_stale_and_out_of_round_payloads_are_rejected_and_counted(
     tmp_path, _serial_builds
@@ -455,6 +457,7 @@ def test_rollouts_round_trip_over_a_real_dht_on_loopback():
         first.close()
 
 
+@pytest.mark.chaos_case("swarm hivemind", "kill one peer, one joins late")
 @pytest.mark.slow
 def test_real_hivemind_peers_one_killed_one_added_the_others_finish(tmp_path):
     """`ftis run`'s swarm launcher: three peer processes on a loopback DHT; b is killed after
@@ -559,6 +562,7 @@ def test_random_churn_reads_from_the_churn_section_and_names_bad_fields():
         RunConfig.model_validate(d)
 
 
+@pytest.mark.chaos_case("swarm sim", "a slow peer past the deadline")
 def test_simulated_peers_a_slow_one_is_late_and_counted_virtual_time_costs_nothing():
     from ftis.exchange.swarm_sim import Scheduler, SimBoard
 
@@ -607,6 +611,7 @@ def test_simulated_peers_a_slow_one_is_late_and_counted_virtual_time_costs_nothi
     assert [i[0] for i in infos[2]] == [[0, 1]] * 4
 
 
+@pytest.mark.chaos_case("swarm sim", "crashed peer rejoins from its checkpoint")
 @pytest.mark.slow
 def test_the_simulator_runs_a_swarm_with_churn_and_a_crashed_peer_rejoins_from_its_checkpoint(
     tmp_path,

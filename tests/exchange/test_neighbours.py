@@ -73,6 +73,7 @@ def _agent(out_dir: str) -> None:
     Path(out_dir, f"{rank}.json").write_text(json.dumps(log))
 
 
+@pytest.mark.chaos_case("gossip DPO", "NaN message, lost agent")
 def test_gossip_between_processes_rejects_nan_and_survives_a_lost_agent(tmp_path):
     server, store, port = host_store()
     env = {

@@ -92,6 +92,7 @@ def test_payloads_arrive_intact(store):
     assert not exs[0].transport.store.check(["x/0/0"]) and exs[0].transport.store.check(["x/3/0"])
 
 
+@pytest.mark.chaos_case("F-TIS", "malformed payload")
 def test_a_corrupted_payload_is_rejected_and_counted(store):
     _, client = store
     _, exs = _group(client, 3)
@@ -207,6 +208,7 @@ def test_the_group_forms_whole_or_not_at_all(store):
 # ---- records in the store are untrusted input (issue 22, item 3) -------------------------------
 
 
+@pytest.mark.chaos_case("F-TIS", "forged store records")
 def test_writes_from_outside_the_run_are_ignored_and_counted(store):
     """Issue 22: a forged `left/1` made rank 0 drop a live peer. With the run's secret, a
     `left` mark, a payload and a `ready` mark written without it are ignored and counted; the
