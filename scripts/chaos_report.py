@@ -2,6 +2,7 @@
 
     python scripts/chaos_report.py                 # run every chaos_case test, write the table
     python scripts/chaos_report.py --junit J.xml   # only render the table of an earlier run
+    python scripts/chaos_report.py -k X --merge J.xml  # rerun some cases over an earlier run
 
 Every test marked `chaos_case(mode, case)` runs (those of the default suite and those marked
 `chaos`), with a junit xml. For each case tests/conftest.py records its crashes (Python
@@ -40,7 +41,7 @@ MODES = (
 NOT_RUN: dict[str, list[tuple[str, str]]] = {
     "ReCo": [
         (
-            "kill one, malformed payload",
+            "kill one (SIGKILL, hard exit), malformed payload",
             "as F-TIS: ReCo is a loss of the F-TIS node processes; the processes, the store "
             "exchange and its payload checks are the same",
         )
@@ -100,7 +101,16 @@ def run_suite(junit: Path, extra: list[str]) -> tuple[int, float]:
     return code, time.monotonic() - t0
 
 
-def read_cases(junit: Path) -> list[dict]:
+def read_cases(*junits: Path) -> list[dict]:
+    """The chaos cases of the junit files; a test in several files: the last file's result."""
+    found: dict[str, dict] = {}
+    for junit in junits:
+        for case in _read(junit):
+            found[case["test"]] = case
+    return list(found.values())
+
+
+def _read(junit: Path) -> list[dict]:
     cases = []
     for tc in ET.parse(junit).getroot().iter("testcase"):
         props = {p.get("name"): p.get("value") for p in tc.iter("property")}
@@ -192,7 +202,16 @@ def write_doc(table: str, doc: Path = DOC) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--junit", type=Path, help="render from this junit xml instead of running")
+    ap.add_argument(
+        "--junit", type=Path, nargs="+", help="render from these junit xml instead of running"
+    )
+    ap.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=[],
+        help="earlier junit xml whose cases this run's results replace or complete",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "chaos" / "junit.xml")
     ap.add_argument("--doc", type=Path, default=DOC)
     ap.add_argument("pytest_args", nargs="*", help="passed on to pytest (e.g. -k hivemind)")
@@ -202,13 +221,13 @@ def main() -> int:
     if args.junit is None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         code, wall = run_suite(args.out, args.pytest_args)
-        junit = args.out
+        junits = [*args.merge, args.out]
     else:
-        junit = args.junit
-    cases = read_cases(junit)
+        junits = [*args.merge, *args.junit]
+    cases = read_cases(*junits)
     if not cases:
-        raise SystemExit(f"no chaos_case results in {junit}")
-    table = render(cases, wall_s=wall)
+        raise SystemExit(f"no chaos_case results in {', '.join(map(str, junits))}")
+    table = render(cases, wall_s=wall if len(junits) == 1 else None)
     write_doc(table, args.doc)
     bad = [c for c in cases if c["result"] == "failed" or c["crashes"] or c["orphans"]]
     print(f"wrote the table of {len(cases)} cases to {args.doc}; {len(bad)} not held")

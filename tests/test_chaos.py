@@ -60,7 +60,7 @@ def _gossip(steps: int) -> dict:
 def _corp(steps: int) -> dict:
     from tests.test_randopt import _cfg
 
-    data = _cfg(population=2 * steps, per_step=2)  # stage 0 of `steps` rounds, then one more
+    data = _cfg(population=2 * (steps - 1), per_step=2)  # stage 0, then one round more
     data["nodes"] = [{**data["nodes"][0], "name": n} for n in ("a", "b")]
     data["checkpoint"] = {"every": 1}
     return data
@@ -140,16 +140,16 @@ def _launch(tmp_path: Path, data: dict) -> tuple[subprocess.Popen, Path]:
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(data))
     out = tmp_path / "run"
-    log = (tmp_path / "launcher.out").open("w")  # a file: a full pipe would block the launcher
-    proc = subprocess.Popen(
-        [FTIS, "run", str(config), "--out", str(out)], stdout=log, stderr=subprocess.STDOUT
-    )
+    with (tmp_path / "launcher.out").open("w") as log:  # a file: a full pipe blocks the launcher
+        proc = subprocess.Popen(
+            [FTIS, "run", str(config), "--out", str(out)], stdout=log, stderr=subprocess.STDOUT
+        )
     return proc, out
 
 
-def _pause(tmp_path: Path, data: dict, pid_of, *, steps: int) -> tuple[int, Path, float]:
-    """Start the run, SIGSTOP participant b once both have a row of step 1, SIGCONT it
-    PAUSE_S later; return the launcher's exit code, the run directory and when b resumed."""
+def _pause(tmp_path: Path, data: dict, pid_of) -> tuple[int, Path]:
+    """Start the run, SIGSTOP participant b (pid_of(launcher)) once both have a row of step 1,
+    SIGCONT it PAUSE_S later; return the launcher's exit code and the run directory."""
     proc, out = _launch(tmp_path, data)
     kids: set[int] = set()
     try:
@@ -165,7 +165,7 @@ def _pause(tmp_path: Path, data: dict, pid_of, *, steps: int) -> tuple[int, Path
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         proc.wait()
-    return code, out, PAUSE_S
+    return code, out
 
 
 def _each_step_once(out: Path, nodes, steps: int) -> None:
@@ -181,9 +181,9 @@ def test_a_participant_paused_past_the_deadline(tmp_path, mode):
     finds its peer lost or gone and finishes alone: both have every step's row once, the run
     exits 0, nothing is left behind."""
     steps = 6
-    code, out, _ = _pause(
-        tmp_path, _config(mode, steps), lambda launcher: _worker(launcher, 1), steps=steps
-    )
+    data = _config(mode, steps)
+    steps = data["train"]["steps"]
+    code, out = _pause(tmp_path, data, lambda launcher: _worker(launcher, 1))
     output = (tmp_path / "launcher.out").read_text()
     assert code == 0, output[-3000:]
     _each_step_once(out, ("a", "b"), steps)
@@ -198,26 +198,75 @@ def test_a_participant_paused_past_the_deadline(tmp_path, mode):
 def test_sigterm_to_the_launcher_then_an_exact_resume(tmp_path, mode):
     """SIGTERM to `ftis run` alone once both nodes have a row of step 1: exit 130 with the
     resume command, every node's checkpoint at its last row, nothing left behind; `--resume`
-    then ends with the rows of the same run made without the signal (within 1e-6)."""
+    then ends with the rows of the same run made without the signal (within 1e-6).
+
+    Gossip's one exception: its consensus error is a figure measured through the store after a
+    round's mixing, and a stop during that measurement skips it (logged): the stopped round's
+    row lacks `gossip/consensus_*`, and the byte counters from that round on lack its traffic.
+    Everything the training state decides (losses, rewards, evaluations, the next rounds'
+    consensus) is compared."""
     steps = 12  # enough that the signal lands mid-run on a fast machine too
     data = _config(mode, steps)
     data["exchange"]["timeout_s"] = 120.0  # a signal, not the deadline, ends these runs
     out, output = stop_and_resume(tmp_path, data, signal.SIGTERM, ready=_after(1))
     (tmp_path / "launcher.out").write_text(output)
+    done = {}
     for n in ("a", "b"):
-        done = max(_steps(out, n))
-        assert 1 <= done < steps and _checkpoint_step(out, n) == done, n
+        done[n] = max(_steps(out, n))
+        assert 1 <= done[n] < steps and _checkpoint_step(out, n) == done[n], n
     (tmp_path / "resume.out").write_text(resume(out))
     _each_step_once(out, ("a", "b"), steps)
     got, want = _stable(_all_rows(out)), _stable(_straight(tmp_path, data))
     assert got.keys() == want.keys()
-    for key, row in want.items():
-        assert got[key].keys() == row.keys(), key
+    for (node, step), row in want.items():
+        mine = got[node, step]
+        if mode == "gossip DPO" and step >= done[node]:
+            skip = ("exchange/bytes_", "gossip/consensus_") if step == done[node] else ()
+            row = {k: v for k, v in row.items() if not k.startswith(("exchange/bytes_", *skip))}
+            mine = {k: v for k, v in mine.items() if not k.startswith(("exchange/bytes_", *skip))}
+        assert mine.keys() == row.keys(), (node, step)
         for k, v in row.items():
             if isinstance(v, float) and math.isfinite(v):
-                assert got[key][k] == pytest.approx(v, abs=1e-6), (key, k)
+                assert mine[k] == pytest.approx(v, abs=1e-6), (node, step, k)
             else:
-                assert got[key][k] == v, (key, k)
+                assert mine[k] == v, (node, step, k)
+
+
+KILLED = {m: MULTI[m] for m in ("F-TIS", "gossip DPO", "CoRP")}  # ReCo's processes are F-TIS's
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("mode", _cases(KILLED, "SIGKILL one from outside, resume"))
+def test_a_participant_killed_from_outside_then_resumed(tmp_path, mode):
+    """b's process gets SIGKILL once both have a row of step 1 (no goodbye, no checkpoint of
+    the step in flight). The launcher marks it gone, a drops it at once (counted), finishes and
+    the run exits 1 naming b; `--resume` then runs b alone from its checkpoint: every node ends
+    with each step's row once."""
+    steps = 6
+    data = _config(mode, steps)
+    data["exchange"]["timeout_s"] = 120.0  # the launcher's mark, not the deadline, ends the wait
+    proc, out = _launch(tmp_path, data)
+    kids: set[int] = set()
+    try:
+        _wait(proc, _after(1), out)
+        kids = descendants(proc.pid)
+        os.kill(_worker(proc.pid, 1), signal.SIGKILL)
+        code = proc.wait(timeout=600)
+    finally:
+        for pid in [proc.pid, *kids]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    output = (tmp_path / "launcher.out").read_text()
+    assert code == 1 and "without b" in output.replace("\n", " "), output[-3000:]
+    assert sorted(_steps(out, "a")) == list(range(steps + 1))
+    done = max(_steps(out, "b"))
+    assert 1 <= done < steps
+    a = {r["step"]: r for r in _all_rows(out) if r["node"] == "a"}
+    assert a[steps].get(MULTI[mode][1], 0) == 1
+    assert not _mentions(out)
+    (tmp_path / "resume.out").write_text(resume(out))
+    _each_step_once(out, ("a", "b"), steps)
 
 
 # ---- Flower's simulation (FGRPO, FedDPO): the clients run on Ray's worker actors ------------
@@ -316,7 +365,7 @@ def test_a_hivemind_peer_paused_past_its_deadline(tmp_path):
     data = _swarm("hivemind", steps)
     data["algorithm"].update(deadline_s=TIMEOUT_S, member_ttl_s=TIMEOUT_S)
     data["checkpoint"] = {"every": 1}
-    code, out, _ = _pause(tmp_path, data, lambda launcher: _peer(launcher, "b"), steps=steps)
+    code, out = _pause(tmp_path, data, lambda launcher: _peer(launcher, "b"))
     output = (tmp_path / "launcher.out").read_text()
     assert code == 0, output[-3000:]
     _each_step_once(out, ("a", "b"), steps)
