@@ -1,11 +1,12 @@
 """Run the chaos suite and write docs/RELIABILITY.md's per-mode table from its results.
 
-    python scripts/chaos_report.py                 # run every chaos_case test, write the table
-    python scripts/chaos_report.py --junit J.xml   # only render the table of an earlier run
-    python scripts/chaos_report.py -k X --merge J.xml  # rerun some cases over an earlier run
+    python scripts/chaos_report.py                     # run every chaos_case test, write the table
+    python scripts/chaos_report.py --results R.jsonl   # only render the table of an earlier run
+    python scripts/chaos_report.py --merge R.jsonl -- -k X  # rerun some cases over an earlier run
 
 Every test marked `chaos_case(mode, case)` runs (those of the default suite and those marked
-`chaos`), with a junit xml. For each case tests/conftest.py records its crashes (Python
+`chaos`); tests/conftest.py appends each case's result, as it ends, to a JSONL file
+(runs/chaos/results.jsonl; $FTIS_CHAOS_RESULTS). For each case it records its crashes (Python
 tracebacks in the logs the case left: a participant that crashed instead of stopping) and its
 orphans (processes the case started, directly or not, still alive 10 s after it ended, found with
 the test process as their child subreaper). The table lists, per mode, each case, whether its
@@ -17,10 +18,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import os
 import subprocess
 import sys
 import time
-import xml.etree.ElementTree as ET
 from collections import defaultdict
 from pathlib import Path
 
@@ -81,7 +83,7 @@ NOT_RUN: dict[str, list[tuple[str, str]]] = {
 }
 
 
-def run_suite(junit: Path, extra: list[str]) -> tuple[int, float]:
+def run_suite(results: Path, extra: list[str]) -> tuple[int, float]:
     cmd = [
         sys.executable,
         "-m",
@@ -92,51 +94,39 @@ def run_suite(junit: Path, extra: list[str]) -> tuple[int, float]:
         "chaos_case",
         "-q",
         "-rfE",
-        f"--junitxml={junit}",
         *extra,
     ]
     print("running:", " ".join(cmd), flush=True)
+    results.unlink(missing_ok=True)
     t0 = time.monotonic()
-    code = subprocess.call(cmd, cwd=ROOT)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "FTIS_CHAOS_RESULTS": str(results)})
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:  # Ctrl-C: pytest stops too; the table holds the cases that ended
+        code = proc.wait()
+        code = code if code not in (0, 1) else 2
     return code, time.monotonic() - t0
 
 
-def read_cases(*junits: Path) -> list[dict]:
-    """The chaos cases of the junit files; a test in several files: the last file's result."""
+def read_cases(*files: Path) -> list[dict]:
+    """The chaos cases of the results files; a test in several files: the last one's result."""
     found: dict[str, dict] = {}
-    for junit in junits:
-        for case in _read(junit):
-            found[case["test"]] = case
-    return list(found.values())
-
-
-def _read(junit: Path) -> list[dict]:
-    cases = []
-    for tc in ET.parse(junit).getroot().iter("testcase"):
-        props = {p.get("name"): p.get("value") for p in tc.iter("property")}
-        if "chaos_mode" not in props:
-            continue
-        if tc.find("failure") is not None or tc.find("error") is not None:
-            result = "failed"
-        elif tc.find("skipped") is not None:
-            result = "skipped"
-        else:
-            result = "held"
-        file = tc.get("classname", "").replace(".", "/") + ".py"
-        cases.append(
-            {
-                "mode": props["chaos_mode"],
-                "case": props["chaos_case"],
-                "test": f"`{tc.get('name')}` ({file.removeprefix('tests/')})",
-                "result": result,
-                "crashes": int(props.get("chaos_crashes", 0)),
-                "orphans": int(props.get("chaos_orphans", 0)),
-                "orphan_commands": props.get("chaos_orphan_commands", ""),
-                "seconds": float(tc.get("time", 0.0)),
-                "default": props.get("chaos_default_suite") == "1",
+    for path in files:
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            file, _, name = r["test"].partition("::")
+            found[r["test"]] = {
+                "mode": r["chaos_mode"],
+                "case": r["chaos_case"],
+                "test": f"`{name}` ({file.removeprefix('tests/')})",
+                "result": r["result"],
+                "crashes": int(r.get("chaos_crashes", 0)),
+                "orphans": int(r.get("chaos_orphans", 0)),
+                "orphan_commands": r.get("chaos_orphan_commands", ""),
+                "seconds": float(r.get("chaos_seconds", 0.0)),
+                "default": bool(r.get("chaos_default_suite")),
             }
-        )
-    return cases
+    return list(found.values())
 
 
 def _commit() -> str:
@@ -155,7 +145,7 @@ def _commit() -> str:
         return "?"
 
 
-def render(cases: list[dict], *, wall_s: float | None) -> str:
+def render(cases: list[dict], *, wall_s: float | None, complete: bool = True) -> str:
     by_mode: dict[str, list[dict]] = defaultdict(list)
     for c in cases:
         by_mode[c["mode"]].append(c)
@@ -170,6 +160,12 @@ def render(cases: list[dict], *, wall_s: float | None) -> str:
         + f": **{len(cases)} cases, {held} held, {crashes} crashes, {orphans} orphans.**",
         "",
     ]
+    if not complete:
+        lines += [
+            "**Partial:** the run was stopped before its end; the cases below are those that "
+            "ended, the others are missing from the table.",
+            "",
+        ]
     for mode in [*MODES, *sorted(set(by_mode) - set(MODES))]:
         rows = sorted(by_mode.get(mode, []), key=lambda c: c["case"])
         lines += [
@@ -203,31 +199,32 @@ def write_doc(table: str, doc: Path = DOC) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--junit", type=Path, nargs="+", help="render from these junit xml instead of running"
+        "--results", type=Path, nargs="+", help="render from these results instead of running"
     )
     ap.add_argument(
         "--merge",
         type=Path,
         nargs="+",
         default=[],
-        help="earlier junit xml whose cases this run's results replace or complete",
+        help="earlier results whose cases this run's results replace or complete",
     )
-    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "chaos" / "junit.xml")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "chaos" / "results.jsonl")
     ap.add_argument("--doc", type=Path, default=DOC)
     ap.add_argument("pytest_args", nargs="*", help="passed on to pytest (e.g. -k hivemind)")
     args = ap.parse_args()
     wall = None
     code = 0
-    if args.junit is None:
+    if args.results is None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         code, wall = run_suite(args.out, args.pytest_args)
-        junits = [*args.merge, args.out]
+        files = [*args.merge, args.out]
     else:
-        junits = [*args.merge, *args.junit]
-    cases = read_cases(*junits)
+        files = [*args.merge, *args.results]
+    files = [f for f in files if f.exists()]
+    cases = read_cases(*files)
     if not cases:
-        raise SystemExit(f"no chaos_case results in {', '.join(map(str, junits))}")
-    table = render(cases, wall_s=wall if len(junits) == 1 else None)
+        raise SystemExit("no chaos_case results: nothing to write")
+    table = render(cases, wall_s=wall if len(files) == 1 else None, complete=code in (0, 1))
     write_doc(table, args.doc)
     bad = [c for c in cases if c["result"] == "failed" or c["crashes"] or c["orphans"]]
     print(f"wrote the table of {len(cases)} cases to {args.doc}; {len(bad)} not held")

@@ -65,6 +65,7 @@ def tiny_node(method: str = "f-tis", *, lr: float | None = None, lora=None):
 # ---- the chaos suite (docs/RELIABILITY.md "Chaos suite", scripts/chaos_report.py) -------------
 
 TRACEBACK = "Traceback (most recent call last)"
+RESULTS_ENV = "FTIS_CHAOS_RESULTS"  # a JSONL file each chaos case appends its result to
 ORPHAN_WAIT_S = 10.0  # how long a case's processes may take to go once the case has ended
 
 
@@ -84,14 +85,16 @@ def _tracebacks(root) -> int:
 def pytest_runtest_call(item: pytest.Item):
     """For a test marked chaos_case(mode, case): record the mode and the case, and afterwards
     count its crashes (tracebacks in its logs) and orphans (processes it started, directly or
-    not, still alive ORPHAN_WAIT_S after it ended) as the test's properties, which the junit
-    xml of scripts/chaos_report.py carries. While the case runs this process is the child
+    not, still alive ORPHAN_WAIT_S after it ended) as the test's properties (in a junit
+    xml), and, when $FTIS_CHAOS_RESULTS names a file, append the case's result to it as one
+    JSON line (scripts/chaos_report.py reads it; a run cut short keeps the cases it ended). While the case runs this process is the child
     subreaper of its descendants, so a process whose parent died first is still found."""
     mark = item.get_closest_marker("chaos_case")
     if mark is None:
         yield
         return
     import contextlib
+    import json
     import os
     import time
 
@@ -107,8 +110,9 @@ def pytest_runtest_call(item: pytest.Item):
         prctl(stop._PR_SET_CHILD_SUBREAPER, 1)
     before = stop.descendants()
     t0 = time.monotonic()
+    outcome = None
     try:
-        yield
+        outcome = yield
     finally:
         deadline = time.monotonic() + ORPHAN_WAIT_S
         while (left := stop.descendants() - before) and time.monotonic() < deadline:
@@ -133,3 +137,18 @@ def pytest_runtest_call(item: pytest.Item):
             ("chaos_crashes", _tracebacks(tmp) if tmp is not None else 0),
             ("chaos_seconds", round(time.monotonic() - t0, 1)),
         ]
+        if path := os.environ.get(RESULTS_ENV):  # one line per case, as it ends
+            exc = outcome.excinfo if outcome is not None else None
+            if exc is None:
+                result = "held"
+            elif issubclass(exc[0], pytest.skip.Exception):
+                result = "skipped"
+            else:
+                result = "failed"
+            with open(path, "a") as f:
+                f.write(
+                    json.dumps(
+                        {"test": item.nodeid, "result": result, **dict(item.user_properties)}
+                    )
+                    + "\n"
+                )
