@@ -145,7 +145,9 @@ def _commit() -> str:
         return "?"
 
 
-def render(cases: list[dict], *, wall_s: float | None, complete: bool = True) -> str:
+def render(
+    cases: list[dict], *, wall_s: float | None, complete: bool = True, selection: str = ""
+) -> str:
     by_mode: dict[str, list[dict]] = defaultdict(list)
     for c in cases:
         by_mode[c["mode"]].append(c)
@@ -160,6 +162,8 @@ def render(cases: list[dict], *, wall_s: float | None, complete: bool = True) ->
         + f": **{len(cases)} cases, {held} held, {crashes} crashes, {orphans} orphans.**",
         "",
     ]
+    if selection:
+        lines += [f"**A selection** of the cases (pytest arguments `{selection}`).", ""]
     if not complete:
         lines += [
             "**Partial:** the run was stopped before its end; the cases below are those that "
@@ -188,7 +192,10 @@ def render(cases: list[dict], *, wall_s: float | None, complete: bool = True) ->
 
 
 def write_doc(table: str, doc: Path = DOC) -> None:
-    text = doc.read_text()
+    try:
+        text = doc.read_text()
+    except OSError as e:
+        raise SystemExit(f"cannot read {doc}: {e.strerror}; name the document with --doc") from e
     if START not in text or END not in text:
         raise SystemExit(f"{doc} has no {START} ... {END} markers: add them where the table goes")
     head, rest = text.split(START, 1)
@@ -224,7 +231,12 @@ def main() -> int:
     cases = read_cases(*files)
     if not cases:
         raise SystemExit("no chaos_case results: nothing to write")
-    table = render(cases, wall_s=wall if len(files) == 1 else None, complete=code in (0, 1))
+    table = render(
+        cases,
+        wall_s=wall if len(files) == 1 else None,
+        complete=code in (0, 1),
+        selection=" ".join(args.pytest_args) if args.results is None else "",
+    )
     write_doc(table, args.doc)
     bad = [c for c in cases if c["result"] == "failed" or c["crashes"] or c["orphans"]]
     print(f"wrote the table of {len(cases)} cases to {args.doc}; {len(bad)} not held")
