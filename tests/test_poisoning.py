@@ -133,11 +133,11 @@ def _payload() -> RolloutBatch:
 
 @pytest.fixture
 def receiver_logprobs(monkeypatch):
-    """The receiver's own log-probs of `_payload()`'s peer rows (what the screen scores)."""
-    lp = torch.tensor([[-0.5, -0.5, -0.5]] * 3 + [[-12.0, -0.5, 0.0]])
+    """The receiver's own log-probs of `_payload()` (the screen scores the whole batch)."""
+    lp = torch.tensor([[-0.5, -0.5, -0.5]] * 5 + [[-12.0, -0.5, 0.0]])
 
     def fake(node, task, batch, *, temperature, micro_batch_size=0):
-        assert batch.generator.tolist() == [1, 1, 2, 2]  # own rows are never scored
+        assert batch.generator.tolist() == [0, 0, 1, 1, 2, 2]  # one pass over every row
         return lp.clone()
 
     monkeypatch.setattr(defence_mod.scoring, "model_logprobs", fake)
@@ -159,8 +159,25 @@ def test_screen_drops_the_forged_and_the_implausible_rows_only(receiver_logprobs
     assert keep2.all()
 
 
+def test_an_implausible_own_sample_is_dropped_but_counts_against_no_one(monkeypatch):
+    # the receiver's own second row holds a token it gives e^-11: dropped like a peer's would
+    # be, so that same-model peers (who drop it) and the receiver keep training on one batch
+    lp = torch.tensor([[-0.5, -0.5, -0.5], [-11.0, -0.5, -0.5]] + [[-0.5, -0.5, -0.5]] * 3)
+    lp = torch.cat([lp, torch.tensor([[-0.5, -0.5, 0.0]])])
+    monkeypatch.setattr(defence_mod.scoring, "model_logprobs", lambda *a, **k: lp.clone())
+    screen = Screen(DefenceConfig(plausibility=True, trust=True), rank=0, same_model=set())
+    payload = _payload()
+    payload.sampler_logprobs[1] = torch.tensor([-11.0, -0.5, -0.5])  # its honest report
+    payload.sampler_logprobs[3] = torch.tensor([-0.5, -0.5, -0.5])  # no forging here
+    keep, _, m = screen.apply(payload, node=None, task=None, temperature=1.0)
+    assert keep.tolist() == [True, False, True, True, True, True]
+    assert m["defence/own_dropped"] == pytest.approx(1 / 2)
+    assert m["defence/plausibility_dropped"] == 0.0
+    assert screen.trust(1) == screen.trust(2) == 1.0 and 0 not in screen.distrust
+
+
 def test_trust_down_weights_a_partly_flagged_peer(receiver_logprobs):
-    cfg = DefenceConfig(trust=True, trust_rate=0.3, quarantine_below=0.5)
+    cfg = DefenceConfig(trust=True, trust_rate=0.3, quarantine_below=0.5, downweight_below=0.9)
     screen = Screen(cfg, rank=0, same_model=set())
     # step 1: rank 2 has 1 of 2 rows implausible -> distrust 0.3 * 0.5 = 0.15, trust 0.85;
     # rank 1 (not same-model here, both rows plausible) keeps trust 1. Nothing is dropped.
@@ -172,6 +189,10 @@ def test_trust_down_weights_a_partly_flagged_peer(receiver_logprobs):
     for _ in range(30):
         keep, scale, _ = screen.apply(_payload(), node=None, task=None, temperature=1.0)
     assert keep.all() and 0.5 < screen.trust(2) < 0.51
+    # at the default downweight_below = 0.8 the first step's trust 0.85 leaves the weight at 1
+    default = Screen(DefenceConfig(trust=True), rank=0, same_model=set())
+    _, scale, _ = default.apply(_payload(), node=None, task=None, temperature=1.0)
+    assert default.trust(2) == pytest.approx(0.85) and scale.tolist() == [1.0] * 6
 
 
 def test_quarantine_drops_every_row_of_a_distrusted_peer(receiver_logprobs):
@@ -313,6 +334,7 @@ def _cfg(**extra):
         ({"quarantine_below": 1}, "quarantine_below"),
         ({"max_peer_share": 0}, "max_peer_share"),
         ({"same_model_tolerance": -1}, "same_model_tolerance"),
+        ({"quarantine_below": 0.9}, "quarantine_below"),
     ],
 )
 def test_bad_defence_values_are_one_clear_error(defence, field):

@@ -453,8 +453,8 @@ class DefenceConfig(_Strict):
         False,
         description="Per-peer trust from history: each step distrust <- (1 - trust_rate) * "
         "distrust + trust_rate * (fraction of the peer's sequences the screens flagged); "
-        "trust = 1 - distrust scales the peer's advantages; below quarantine_below its samples "
-        "are dropped. Rows log trust/<peer>.",
+        "trust = 1 - distrust scales the peer's advantages once below downweight_below; below "
+        "quarantine_below its samples are dropped. Rows log trust/<peer>.",
     )
     trust_rate: float = Field(
         0.3, gt=0, le=1, description="Trust: weight of the current step in the running distrust."
@@ -464,6 +464,13 @@ class DefenceConfig(_Strict):
         ge=0,
         lt=1,
         description="Trust: a peer whose trust is below this is quarantined (0 = never).",
+    )
+    downweight_below: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="Trust: a peer whose trust is at or above this trains at full weight; "
+        "below it, its advantages are scaled by its trust (1 = always scale).",
     )
     max_completion_tokens: int | None = Field(
         None,
@@ -478,6 +485,16 @@ class DefenceConfig(_Strict):
         description="The largest fraction of the receiver's batch one peer's sequences may fill; "
         "the peer's later sequences beyond it are dropped. 1 = no bound.",
     )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> DefenceConfig:
+        if self.quarantine_below > self.downweight_below:
+            raise ValueError(
+                f"defence.quarantine_below ({self.quarantine_below}) is above "
+                f"defence.downweight_below ({self.downweight_below}): a peer is down-weighted "
+                "before it is quarantined; lower quarantine_below or raise downweight_below"
+            )
+        return self
 
     @property
     def active(self) -> bool:
