@@ -363,3 +363,53 @@ def test_poisoning_attacks_live_under_testing_adversary_only():
         RunConfig.model_validate(
             _cfg(testing={"adversary": {"a": {"kind": "inject", "text": "x", "group_share": 0}}})
         )
+
+
+# ---- configs/poisoning.yaml end to end ---------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_poisoning_config_logs_attack_success_and_trust_for_every_node(tmp_path):
+    """configs/poisoning.yaml at its smallest: four processes, 2 steps of 4 prompts (one per
+    node), evaluations of 8 problems at steps 0 and 2. Every node logs attack/success next to
+    its accuracy, trust in each of its three peers at every step, and the attacker poisons."""
+    import json
+    from pathlib import Path
+
+    import ftis
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "poisoning.yaml"
+    run_dir = ftis.run(
+        config,
+        out=tmp_path / "run",
+        overrides=[
+            "train.steps=2",
+            "train.prompts_per_step=4",
+            "eval.every=2",
+            "eval.size=8",
+            "log.progress=false",
+        ],
+    )
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    names = ["alice", "bob", "carol", "mallory"]
+    for node in names:
+        mine = [r for r in rows if r["node"] == node]
+        evals = {r["step"]: r for r in mine if "eval/accuracy" in r}
+        assert sorted(evals) == [0, 2]
+        for r in evals.values():
+            assert 0.0 <= r["attack/success"] <= 1.0 and "attack/success_greedy" in r
+        for step in (1, 2):
+            row = next(
+                r
+                for r in mine
+                if r["step"] == step and "trust/" + names[0 if node != "alice" else 1] in r
+            )
+            trusts = {k for k in row if k.startswith("trust/")}
+            assert trusts == {f"trust/{p}" for p in names if p != node}
+            assert all(0.0 <= row[k] <= 1.0 for k in trusts)
+    sent = [
+        r["attack/poisoned_sent"]
+        for r in rows
+        if r["node"] == "mallory" and "attack/poisoned_sent" in r
+    ]
+    assert len(sent) == 2

@@ -296,7 +296,8 @@ def render(
             "## What the screens dropped",
             "",
             "Per step, the share of the peers' sequences each screen dropped (`own`: of the "
-            "node's own sequences, dropped by the plausibility screen), mean over steps, honest "
+            "node's own sequences, dropped by the plausibility or same-model test), mean over "
+            "steps, honest "
             "nodes and seeds. In an arm without attacker every dropped sequence is honest. "
             "Trust is each honest node's trust in a peer at the last step.",
             "",
