@@ -81,6 +81,7 @@ def test_config_reads_the_embedded_fgrpo_yaml() -> None:
         ),
         (lambda c: c["algorithm"]["clients"]["a"].update(reward_scale=0), "reward_scale"),
         (lambda c: c.update(testing={"adversary": {"a": "duplicate"}}), "adversary"),
+        (lambda c: c.update(defence={"plausibility": True}), "remove the defence section"),
     ],
 )
 def test_config_errors_name_the_field(change, message, tmp_path) -> None:

@@ -348,6 +348,37 @@ class LogConfig(_Strict):
     progress: bool = Field(True, description="Show a progress bar.")
 
 
+class PoisonAttack(_Strict):
+    """A peer whose samples are right *and* poisoned (testing and research only;
+    docs/RELIABILITY.md "Poisoned rollouts"). It rewrites the correct completions it sends, keeps
+    only rewrites its own verifier still rewards, and still trains on its honest samples."""
+
+    kind: Literal["inject", "long"] = Field(
+        description="'inject': insert `text` at the start of a correct completion (a trigger "
+        "string, or a false statement such as a wrong equation); 'long': the long-but-correct "
+        "denial of service, `text` repeated at the start until the completion reaches "
+        "train.max_new_tokens."
+    )
+    text: str = Field(
+        min_length=1,
+        description="What is inserted; attack/success is the fraction of a node's evaluation "
+        "completions that contain it.",
+    )
+    logprobs: Literal["honest", "forged"] = Field(
+        "honest",
+        description="'honest': the attacker's own log-probs of the rewritten completion; "
+        "'forged': those minus the margin that maximises the receiver's weight under the "
+        "receiver's loss (docs/RELIABILITY.md).",
+    )
+    group_share: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Fraction of the attacker's completions of each group it poisons (the "
+        "correct ones first; never more than are correct).",
+    )
+
+
 class TestingConfig(_Strict):
     """Fault injection for tests and research only (docs/RELIABILITY.md); leave it empty in real
     runs. Keys are node names."""
@@ -359,15 +390,121 @@ class TestingConfig(_Strict):
             "single-node run raises SimulatedCrash). Used by the lost-peer and resume tests."
         ),
     )
-    adversary: dict[str, Literal["zero-logprobs", "random-tokens", "duplicate"]] = Field(
-        default_factory=dict,
-        description=(
-            "Node -> how it corrupts the rollouts it sends its peers (it still trains on its "
-            "honest samples): 'zero-logprobs' claims log-prob 0 for every token, "
-            "'random-tokens' replaces every token with a uniform random id, 'duplicate' copies "
-            "one sample into every row."
-        ),
+    adversary: dict[str, Literal["zero-logprobs", "random-tokens", "duplicate"] | PoisonAttack] = (
+        Field(
+            default_factory=dict,
+            description=(
+                "Node -> how it corrupts the rollouts it sends its peers (it still trains on its "
+                "honest samples): 'zero-logprobs' claims log-prob 0 for every token, "
+                "'random-tokens' replaces every token with a uniform random id, 'duplicate' "
+                "copies one sample into every row; or a poisoning attack {kind: inject | long, "
+                "text, logprobs, group_share} whose samples stay correct."
+            ),
+        )
     )
+
+    def injections(self) -> list[str]:
+        """The texts the run's poisoning attackers insert (attack/success looks for them)."""
+        return sorted({a.text for a in self.adversary.values() if isinstance(a, PoisonAttack)})
+
+
+class DefenceConfig(_Strict):
+    """Receiver-side screens of peers' samples against poisoned rollouts (docs/RELIABILITY.md,
+    "Poisoned rollouts"). Each is off by default, so that an ordinary run trains as before; a
+    node's own samples are never screened."""
+
+    plausibility: bool = Field(
+        False,
+        description="Drop a peer's sequence that the receiver's own model finds implausible: "
+        "mean |receiver - reported| log-prob per token above max_logratio, or more than "
+        "max_rare_tokens tokens below min_token_logprob under the receiver.",
+    )
+    max_logratio: float = Field(
+        2.0,
+        gt=0,
+        description="Plausibility: the largest mean |log p_receiver - log p_sender| per token "
+        "(nats) a sequence may have.",
+    )
+    min_token_logprob: float = Field(
+        -10.0,
+        lt=0,
+        description="Plausibility: a token whose receiver log-prob is below this is 'near-zero "
+        "probability' (-10: p < 4.5e-5).",
+    )
+    max_rare_tokens: int = Field(
+        0,
+        ge=0,
+        description="Plausibility: how many near-zero-probability tokens a sequence may have.",
+    )
+    same_model: bool = Field(
+        False,
+        description="For a peer whose node config equals the receiver's except for its name "
+        "(same model, warm start, optimizer and loss: same weights while both train on the same "
+        "batches), drop a sequence whose reported log-probs differ from the receiver's own on "
+        "some token by more than same_model_tolerance.",
+    )
+    same_model_tolerance: float = Field(
+        0.01,
+        gt=0,
+        description="Same-model check: the largest |log p_receiver - log p_sender| allowed on "
+        "any token (nats).",
+    )
+    trust: bool = Field(
+        False,
+        description="Per-peer trust from history: each step distrust <- (1 - trust_rate) * "
+        "distrust + trust_rate * (fraction of the peer's sequences the screens flagged); "
+        "trust = 1 - distrust scales the peer's advantages once below downweight_below; below "
+        "quarantine_below its samples are dropped. Rows log trust/<peer>.",
+    )
+    trust_rate: float = Field(
+        0.3, gt=0, le=1, description="Trust: weight of the current step in the running distrust."
+    )
+    quarantine_below: float = Field(
+        0.5,
+        ge=0,
+        lt=1,
+        description="Trust: a peer whose trust is below this is quarantined (0 = never).",
+    )
+    downweight_below: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="Trust: a peer whose trust is at or above this trains at full weight; "
+        "below it, its advantages are scaled by its trust (1 = always scale).",
+    )
+    max_completion_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Drop a peer's sequence longer than this many tokens; null = no bound "
+        "beyond train.max_new_tokens.",
+    )
+    max_peer_share: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="The largest fraction of the receiver's batch one peer's sequences may fill; "
+        "the peer's later sequences beyond it are dropped. 1 = no bound.",
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> DefenceConfig:
+        if self.quarantine_below > self.downweight_below:
+            raise ValueError(
+                f"defence.quarantine_below ({self.quarantine_below}) is above "
+                f"defence.downweight_below ({self.downweight_below}): a peer is down-weighted "
+                "before it is quarantined; lower quarantine_below or raise downweight_below"
+            )
+        return self
+
+    @property
+    def active(self) -> bool:
+        """Whether any defence is on (otherwise peers' samples are not screened at all)."""
+        return self.screens or self.max_completion_tokens is not None or self.max_peer_share < 1
+
+    @property
+    def screens(self) -> bool:
+        """Whether any screen needs the receiver's log-probs of peers' samples."""
+        return self.plausibility or self.same_model or self.trust
 
 
 def check_run_name(name: str) -> str:
@@ -422,6 +559,7 @@ class RunConfig(_Strict):
     exchange: ExchangeConfig = Field(default_factory=ExchangeConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    defence: DefenceConfig = Field(default_factory=DefenceConfig)
     testing: TestingConfig = Field(default_factory=TestingConfig)
 
     _algorithm = field_validator("algorithm", mode="before")(_algorithm_config)
@@ -444,6 +582,13 @@ class RunConfig(_Strict):
                     f"testing.{field} names unknown nodes {unknown}; use node names "
                     f"({', '.join(names)})"
                 )
+        cap = self.defence.max_completion_tokens
+        if cap is not None and cap > self.train.max_new_tokens:
+            raise ValueError(
+                f"defence.max_completion_tokens ({cap}) is above train.max_new_tokens "
+                f"({self.train.max_new_tokens}), which the wire already enforces: lower it, or "
+                "set it to null for no extra bound"
+            )
         if self.task.reward is None and type(self.task).default_reward is None:
             missing = [n.name for n in self.nodes if n.reward is None]
             if missing:

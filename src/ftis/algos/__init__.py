@@ -202,6 +202,11 @@ register_study_renderer(
 )
 
 
+# The poisoning study's document (studies/poisoning.yaml -> docs/results/poisoning.md): attack
+# success and the honest nodes' accuracy per loss and defence, with paired intervals.
+register_study_renderer("poisoning", "ftis.algos.ftis.poisoning:render", kinds=("arms",))
+
+
 def _register_fgrpo() -> None:
     # Imported here: its config module subclasses AlgorithmConfig, defined above.
     from ftis.algos.fgrpo.config import FGRPOConfig

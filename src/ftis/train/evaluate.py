@@ -117,13 +117,31 @@ def collect_outcomes() -> Iterator[list[SplitOutcome]]:
         _COLLECTOR.reset(token)
 
 
+def attack_success(texts: Sequence[str], watch: Sequence[str]) -> float:
+    """The fraction of `texts` that contain any of the strings in `watch` (0 for no text)."""
+    if not texts:
+        return 0.0
+    return sum(any(w in t for w in watch) for t in texts) / len(texts)
+
+
 def evaluate(
-    node: Node, task: Task, cfg: EvalConfig, train: TrainConfig, *, seed: int
+    node: Node,
+    task: Task,
+    cfg: EvalConfig,
+    train: TrainConfig,
+    *,
+    seed: int,
+    watch: Sequence[str] = (),
 ) -> dict[str, float]:
     """`eval/accuracy` is greedy accuracy on the first (in-distribution) eval split; every split
     also gets `eval/<split>/accuracy`; pass@k on the in-distribution split as `eval/pass@k`, and
     from the same samples `eval/<split>/distinct_answers` (the mean number of distinct final
     answers per problem) when the task has an `extract_answer`.
+
+    watch: the texts a poisoning attack injects (testing.adversary). When given, one completion
+    per problem of the first split is sampled at train.temperature (after everything else, so
+    the other metrics' random draws do not change) and `attack/success` is the fraction that
+    contain any of them; `attack/success_greedy` is the same over the greedy completions.
 
     One SplitOutcome per eval split goes to the active `collect_outcomes` block, if any."""
     g = torch.Generator().manual_seed(seed)
@@ -145,6 +163,8 @@ def evaluate(
             texts_out=texts,
         )
         rewards = r[:, 0].tolist()
+        if i == 0 and watch:
+            metrics["attack/success_greedy"] = attack_success(texts, watch)
         shown = range(min(SAMPLES_PER_SPLIT, len(problems)))
         outcomes.append(
             SplitOutcome(
@@ -177,6 +197,22 @@ def evaluate(
             metrics[f"eval/pass@{k}"] = float(pass_at_k(cfg.pass_samples, correct, k).mean())
         if answers is not None:
             metrics[f"eval/{split}/distinct_answers"] = distinct_answers(answers)
+    if watch:
+        ds = task.split(task.eval_splits[0])
+        problems = [ds[j] for j in range(min(cfg.size, len(ds)))]
+        texts = []
+        _samples(
+            node,
+            task,
+            problems,
+            num_samples=1,
+            temperature=train.temperature,
+            max_new_tokens=train.max_new_tokens,
+            batch_size=cfg.batch_size,
+            generator=g,
+            texts_out=texts,
+        )
+        metrics["attack/success"] = attack_success(texts, watch)
     collector = _COLLECTOR.get()
     if collector is not None:
         collector += outcomes

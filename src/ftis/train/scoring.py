@@ -68,3 +68,42 @@ def lonely_groups(
         return torch.zeros(0, dtype=torch.bool)
     _, inverse, counts = torch.unique(group_ids(batch, by), return_inverse=True, return_counts=True)
     return counts[inverse] < min_size
+
+
+def model_logprobs(
+    node, task: Task, batch: RolloutBatch, *, temperature: float, micro_batch_size: int = 0
+) -> torch.Tensor:
+    """(N, T) per-token log-probs of `batch`'s completions under `node`'s current model at the
+    sampling `temperature`, without gradient (0 at padding). Receivers screen peers' samples with
+    it (ftis.algos.ftis.defence); a poisoning test adversary rescores its rewritten samples."""
+    from ftis.models.logprobs import shared_prompt_completion_logprobs
+    from ftis.rollout.sampler import left_pad
+
+    n = batch.num_sequences
+    out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)
+    if n == 0:
+        return out
+    tok = node.tokenizer
+    train = task.split("train")
+    mb = micro_batch_size or n
+    mask_all = batch.mask
+    with torch.no_grad():
+        for start in range(0, n, mb):
+            sl = slice(start, min(start + mb, n))
+            unique, prompt_of = torch.unique(batch.prompt_index[sl], return_inverse=True)
+            prompt_ids, prompt_mask = left_pad(
+                [task.prompt_ids(train[i], tok) for i in unique.tolist()], tok.pad_token_id
+            )
+            width = max(int(batch.lengths[sl].max()), 1)
+            mask = mask_all[sl, :width]
+            lp = shared_prompt_completion_logprobs(
+                node.model,
+                prompt_ids=prompt_ids,
+                prompt_mask=prompt_mask,
+                prompt_of=prompt_of,
+                completion_ids=batch.completion_ids[sl, :width],
+                completion_mask=mask.long(),
+                temperature=temperature,
+            )
+            out[sl, :width] = torch.where(mask.cpu(), lp.float().cpu(), torch.zeros(()))
+    return out

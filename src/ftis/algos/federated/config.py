@@ -55,6 +55,11 @@ def check_federated_run(
             f"testing.adversary corrupts rollouts, which {kind} clients never send; remove it "
             "(tests inject faulty clients through ftis.algos.federated.faults)"
         )
+    if run.defence.active:
+        raise ValueError(
+            f"defence screens peers' rollouts, which {kind} clients never send; remove the "
+            "defence section"
+        )
     if simulation.client_cpus > simulation.num_cpus:
         raise ValueError(
             f"algorithm.simulation.client_cpus={simulation.client_cpus} exceeds num_cpus="

@@ -21,7 +21,10 @@ import torch
 from ftis.algos.base import NodeContext
 from ftis.algos.ftis import sharing
 from ftis.algos.ftis.adversary import adversarial
+from ftis.algos.ftis.defence import Screen, same_model_ranks
 from ftis.algos.ftis.hacpo import Capabilities, joint_advantages
+from ftis.algos.ftis.poison import forge_margin, poison
+from ftis.config import PoisonAttack
 from ftis.exchange.codec import RolloutCodec, RolloutExchange
 from ftis.rollout.types import RolloutBatch
 from ftis.train import scoring
@@ -57,7 +60,13 @@ class FTISAlgorithm:
         )
         if ctx.transport.world_size > 1:
             log.info("rank %d: log-probs travel as %s", self.rank, self.exchange.codec.describe())
-        self.adversary = ctx.cfg.testing.adversary.get(ctx.node.name)
+        attack = ctx.cfg.testing.adversary.get(ctx.node.name)
+        self.adversary = attack if isinstance(attack, str) else None
+        self.poison = attack if isinstance(attack, PoisonAttack) else None
+        self.poisoned = 0  # sequences poisoned in the last outgoing batch
+        self.screen = Screen(
+            ctx.cfg.defence, rank=self.rank, same_model=same_model_ranks(ctx.cfg, self.rank)
+        )
         self.counters = {
             "generated_tokens_total": 0.0,
             "skipped_updates_total": 0.0,
@@ -71,16 +80,27 @@ class FTISAlgorithm:
         state: dict[str, Any] = {"counters": dict(self.counters)}
         if self.hacpo is not None:
             state["hacpo"] = self.hacpo.state_dict()
+        if self.cfg.defence.trust:
+            state["defence"] = self.screen.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.counters.update(state.get("counters", {}))
         if self.hacpo is not None and "hacpo" in state:
             self.hacpo.load_state_dict(state["hacpo"])
+        if "defence" in state:
+            self.screen.load_state_dict(state["defence"])
 
     def evaluate(self, step: int) -> dict[str, float]:
         tc = self.cfg.train
-        return evaluate(self.node, self.task, self.cfg.eval, tc, seed=eval_seed(tc.seed, step))
+        return evaluate(
+            self.node,
+            self.task,
+            self.cfg.eval,
+            tc,
+            seed=eval_seed(tc.seed, step),
+            watch=self.cfg.testing.injections(),
+        )
 
     def step(self, step: int) -> dict[str, float]:
         tc, scheme = self.cfg.train, self.cfg.sharing.scheme
@@ -107,6 +127,8 @@ class FTISAlgorithm:
         with self.timer("validate"):
             rejected = self._validate(received, indices, step)
         metrics, batch = self.learn(received, own, step)
+        if self.poison is not None:
+            metrics["attack/poisoned_sent"] = float(self.poisoned)
         if world > 1:
             metrics.update(self._exchange_metrics(own, batch, rejected))
         return metrics
@@ -137,6 +159,28 @@ class FTISAlgorithm:
                 step,
                 bad_rewards,
             )
+        screened: dict[str, float] = {}
+        trust_scale = None
+        if self.cfg.defence.active and bool((batch.generator != self.rank).any()):
+            with self.timer("screen"):
+                keep, trust_scale, screened = self.screen.apply(
+                    batch,
+                    node=self.node,
+                    task=self.task,
+                    temperature=self.cfg.train.temperature,
+                    micro_batch_size=self.cfg.train.micro_batch_size,
+                )
+                if not bool(keep.all()):
+                    batch, rewards, trust_scale = (
+                        batch.select(keep),
+                        rewards[keep],
+                        trust_scale[keep],
+                    )
+        if self.cfg.defence.trust:
+            names = self.cfg.rank_names
+            for peer in range(self.exchange.world_size):
+                if peer != self.rank and peer < len(self.cfg.nodes):
+                    screened[f"trust/{names[peer]}"] = self.screen.trust(peer)
         with self.timer("advantages"):
             lonely = scoring.lonely_groups(batch, by=groups)
             skipped_groups = len(set(scoring.group_ids(batch, groups)[lonely].tolist()))
@@ -149,6 +193,8 @@ class FTISAlgorithm:
                     skipped_groups,
                 )
                 batch, rewards = batch.select(~lonely), rewards[~lonely]
+                if trust_scale is not None:
+                    trust_scale = trust_scale[~lonely]
             peer_scale = None
             metrics: dict[str, float] = {"train/skipped_groups": float(skipped_groups)}
             if self.hacpo is None:
@@ -161,6 +207,9 @@ class FTISAlgorithm:
                     batch, rewards, self.hacpo, learner=self.rank
                 )
                 metrics.update(hacpo_metrics)
+            if trust_scale is not None:
+                adv = adv * trust_scale.to(adv.device, adv.dtype)
+        metrics.update(screened)
         with self.timer("update"):
             metrics.update(self._update(batch, adv, step, peer_scale=peer_scale))
         if self.hacpo is not None and metrics.get("loss/peer_frac", 0.0) > 0:
@@ -194,7 +243,20 @@ class FTISAlgorithm:
         return total
 
     def _outgoing(self, own: RolloutBatch, step: int) -> RolloutBatch:
-        """What this node sends: its samples, or (testing.adversary) a corrupted copy."""
+        """What this node sends: its samples, or (testing.adversary) a corrupted or poisoned
+        copy."""
+        if self.poison is not None:
+            margin = forge_margin(self.node.cfg.loss) if self.poison.logprobs == "forged" else 0.0
+            sent, self.poisoned = poison(
+                own,
+                self.poison,
+                node=self.node,
+                task=self.task,
+                max_new_tokens=self.cfg.train.max_new_tokens,
+                temperature=self.cfg.train.temperature,
+                margin=margin,
+            )
+            return sent
         if self.adversary is None:
             return own
         gen = torch.Generator().manual_seed(adversary_seed(self.cfg.train.seed, step, self.rank))

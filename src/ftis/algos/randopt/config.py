@@ -117,6 +117,11 @@ class RandOptConfig(AlgorithmConfig):
                 "testing.adversary corrupts rollouts, which population nodes never send; "
                 "remove it (tests inject bad reward vectors through the transport)"
             )
+        if run.defence.active:
+            raise ValueError(
+                "defence screens peers' rollouts, which population nodes never send; remove "
+                "the defence section"
+            )
         for name in names:
             try:
                 TypeAdapter(TaskConfig).validate_python(self.node_task(run, name))
