@@ -36,8 +36,7 @@ def train_trl_grpo(
     logging or saving, temperature 1 with no top-k/top-p, beta 0, loss `grpo`, AdamW at a
     constant `lr`, grad clip 1, seed 0, data in order) and `args` (batch, generations,
     lengths, steps): the same trainer for bench/trl_step.py and bench/scale.py. fp32 unless
-    `bf16` (TRL's `bf16=True`: autocast to bf16; pass a model already in bf16 for bf16 weights,
-    as `model_init_kwargs={"dtype": "bfloat16"}` would load it)."""
+    `bf16` (TRL's `bf16=True`: forward passes under bf16 autocast, f32 weights)."""
     import tempfile
 
     from datasets import Dataset

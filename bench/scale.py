@@ -94,10 +94,10 @@ def _prompts(tok, n: int) -> list[list[int]]:
     return [task.prompt_ids(train[i], tok) for i in range(n)]
 
 
-def _model(preset: str, dtype: str = "float32"):
+def _model(preset: str):
     from ftis.models.loading import ModelConfig, build_model, load_tokenizer
 
-    cfg = ModelConfig(preset=preset, dtype=dtype)
+    cfg = ModelConfig(preset=preset)
     return build_model(cfg), load_tokenizer(cfg)
 
 
@@ -253,11 +253,11 @@ def _ftis_node(cfg: dict):
     task = build_task(TASK)
     node_cfg = NodeConfig(
         name="bench",
-        model=ModelConfig(preset=cfg["preset"], dtype=cfg.get("dtype", "float32")),
+        model=ModelConfig(preset=cfg["preset"], compute_dtype=cfg.get("compute_dtype", "float32")),
         optim=OptimConfig(lr=LR),
         loss=LossConfig(method="grpo"),
     )
-    model, tok = _model(cfg["preset"], node_cfg.model.dtype)
+    model, tok = _model(cfg["preset"])
     node = Node(
         cfg=node_cfg,
         rank=0,
@@ -297,10 +297,10 @@ def trl_step(cfg: dict) -> dict:
     from bench.common import TASK, train_trl_grpo
     from ftis.tasks import build_task
 
-    # bf16: the same weights cast to bf16 and TRL's bf16=True (what model_init_kwargs
-    # {"dtype": "bfloat16"} with bf16=True gives a TRL user), against ftis's model.dtype bfloat16.
-    bf16 = cfg.get("dtype", "float32") == "bfloat16"
-    model, tok = _model(cfg["preset"], cfg.get("dtype", "float32"))
+    # bf16: TRL's bf16=True (autocast to bf16, f32 weights and optimizer), against ftis's
+    # model.compute_dtype bfloat16 (the same mixed precision).
+    bf16 = cfg.get("compute_dtype", "float32") == "bfloat16"
+    model, tok = _model(cfg["preset"])
     train = build_task(TASK).split("train")
     B, G, T = cfg["prompts"], cfg["group"], cfg["length"]
     total = cfg["warmup"] + cfg["steps"]
@@ -690,12 +690,12 @@ def run(quick: bool, config: ScaleConfig | None = None) -> dict:
 
 
 def _bf16_pair(p: str, kw: dict, c: ScaleConfig, n: int, T: int) -> dict:
-    """One ftis step process with `model.dtype: bfloat16` and one TRL process with bf16 weights
-    and `bf16=True`, side by side (CPU seconds), and the bf16 matmul floors of the same shapes,
+    """One ftis step process with `model.compute_dtype: bfloat16` and one TRL process with
+    `bf16=True` (both: f32 weights and optimizer, forward passes under bf16 autocast), side by side (CPU seconds), and the bf16 matmul floors of the same shapes,
     so the bf16 step has its own floor multiple."""
     out: dict = {}
-    ours = child("ftis_step", **kw, dtype="bfloat16")
-    theirs = child("trl_step", **kw, dtype="bfloat16")
+    ours = child("ftis_step", **kw, compute_dtype="bfloat16")
+    theirs = child("trl_step", **kw, compute_dtype="bfloat16")
     for k in ("step", "sample", "update"):
         out[p + f"bf16_ftis_{k}_cpu_s"] = _median(ours[k + "_cpu"])
     out[p + "bf16_trl_step_cpu_s"] = _median(theirs["step_cpu"])

@@ -103,9 +103,10 @@ def scale_section(s: dict) -> list[str]:
     if h + "trl_step_time_ratio_bf16" in s:
         lines += [
             "",
-            f"bf16, at {lens[0]} tokens, one process per side: ftis with `model.dtype: bfloat16` "
-            "(bf16 weights, activations and optimizer state; log-probs, loss and sampling in "
-            "f32 from the bf16 logits) and TRL with the same weights in bf16 and `bf16=True`. "
+            f"bf16, at {lens[0]} tokens, one process per side: ftis with `model.compute_dtype: "
+            "bfloat16` and TRL with `bf16=True`, both mixed precision (f32 weights and AdamW, "
+            "forward passes under bf16 autocast; ftis samples and takes log-probs in f32 from "
+            "the bf16 logits). "
             f"ftis {s[h + 'bf16_ftis_step_cpu_s']:.2f} s (sample "
             f"{s[h + 'bf16_ftis_sample_cpu_s']:.2f}, update {s[h + 'bf16_ftis_update_cpu_s']:.2f}), "
             f"TRL {s[h + 'bf16_trl_step_cpu_s']:.2f} s: ratio "
