@@ -32,3 +32,10 @@ def compute_context(device: torch.device, compute_dtype: torch.dtype | None):
 def model_compute_dtype(name: str) -> torch.dtype | None:
     """torch dtype of a `model.compute_dtype` name (None for float32: no autocast)."""
     return COMPUTE_DTYPES[name]
+
+
+def node_compute_dtype(node) -> torch.dtype | None:
+    """The compute dtype of a node's `cfg.model` (None: float32, or a node-like object without
+    a model config, such as an evaluation harness holding only a model and a tokenizer)."""
+    model_cfg = getattr(getattr(node, "cfg", None), "model", None)
+    return None if model_cfg is None else model_compute_dtype(model_cfg.compute_dtype)
