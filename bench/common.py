@@ -29,11 +29,14 @@ def bench_model(quick: bool) -> tuple[str, str]:
     return preset, str(warm_start(ModelConfig(preset=preset), ws, TASK))
 
 
-def train_trl_grpo(model, tok, rows: list[dict], reward, *, lr: float, callback, **args) -> None:
+def train_trl_grpo(
+    model, tok, rows: list[dict], reward, *, lr: float, callback, bf16: bool = False, **args
+) -> None:
     """Train TRL's GRPOTrainer on `rows` with the settings both TRL baselines share (CPU, no
     logging or saving, temperature 1 with no top-k/top-p, beta 0, loss `grpo`, AdamW at a
-    constant `lr`, grad clip 1, fp32, seed 0, data in order) and `args` (batch, generations,
-    lengths, steps): the same trainer for bench/trl_step.py and bench/scale.py."""
+    constant `lr`, grad clip 1, seed 0, data in order) and `args` (batch, generations,
+    lengths, steps): the same trainer for bench/trl_step.py and bench/scale.py. fp32 unless
+    `bf16` (TRL's `bf16=True`: forward passes under bf16 autocast, f32 weights)."""
     import tempfile
 
     from datasets import Dataset
@@ -56,7 +59,7 @@ def train_trl_grpo(model, tok, rows: list[dict], reward, *, lr: float, callback,
             weight_decay=0.0,
             lr_scheduler_type="constant",
             warmup_steps=0,
-            bf16=False,
+            bf16=bf16,
             fp16=False,
             disable_tqdm=True,
             dataloader_num_workers=0,
@@ -94,9 +97,37 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
     return None
 
 
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The instruction-set flags of the first 'flags' line of `cpuinfo` (what lscpu prints);
+    empty where there is no such file or line."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
+def cpu_bf16_units(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The CPU's bf16 matmul instructions ('amx_bf16 avx512_bf16', 'avx512_bf16', ...), 'none'
+    where the flags list neither (bf16 then runs through f32 conversions), None where the
+    flags are unknown (no /proc/cpuinfo)."""
+    flags = cpu_flags(cpuinfo)
+    if not flags:
+        return None
+    return " ".join(f for f in BF16_FLAGS if f in flags) or "none"
+
+
 def environment() -> dict[str, str | None]:
     """What a benchmark's numbers depend on besides the code: versions, threads, the CPU (its
-    model and the instruction set torch's kernels use here: DEFAULT, AVX2, AVX512, ...) and the
+    model, the instruction set torch's kernels use here: DEFAULT, AVX2, AVX512, ..., and its bf16
+    matmul instructions, `cpu_bf16_units`) and the
     ftis commit that ran (None outside a git checkout; '+dirty' with uncommitted changes under
     src/)."""
     from ftis.study.runner import code_version
@@ -109,5 +140,6 @@ def environment() -> dict[str, str | None]:
         "machine": platform.machine(),
         "cpu_model": cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_bf16_units": cpu_bf16_units(),
         "commit": code_version(),
     }

@@ -28,6 +28,10 @@ SUMMARY_KEYS = (
     "scale_trl_step_time_ratio",
     "scale_rollout_time_ratio_one_pass",
     "scale_update_mfu",
+    "scale_rollout_floor_multiple",
+    "scale_step_floor_multiple",
+    "scale_update_floor_multiple",
+    "scale_trl_step_time_ratio_bf16",
 )
 
 
@@ -74,7 +78,15 @@ def _machine(env: dict) -> str:
     model = env.get("cpu_model") or "CPU model not recorded"
     isa = env.get("cpu_capability")
     kernels = f"torch's {isa} kernels" if isa else "torch's instruction set not recorded"
-    return f"Machine: {model}, {env['cpus']} CPUs, {kernels}"
+    bf16 = env.get("cpu_bf16_units")
+    units = (
+        "bf16 matmul units not recorded"
+        if bf16 is None
+        else "no bf16 matmul instructions"
+        if bf16 == "none"
+        else f"bf16 matmul instructions {bf16}"
+    )
+    return f"Machine: {model}, {env['cpus']} CPUs, {kernels}, {units}"
 
 
 def markdown(r: dict) -> str:
@@ -272,7 +284,7 @@ def markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
-MACHINE_KEYS = ("commit", "cpu_model", "cpu_capability")
+MACHINE_KEYS = ("commit", "cpu_model", "cpu_capability", "cpu_bf16_units")
 
 
 def flat_summary(results: dict) -> dict:

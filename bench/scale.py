@@ -53,6 +53,7 @@ class ScaleConfig:
     rollout_reps: int = 2  # measured rollouts per process (after one warm-up)
     profile_length: int = 64
     ablation: bool = True  # also time the sampler with transformers' DynamicCache
+    bf16: bool = True  # also one ftis and one TRL step process in bf16 at the first length
 
 
 FULL = ScaleConfig(steps=3, rounds=1, rollout_reps=3)
@@ -252,7 +253,7 @@ def _ftis_node(cfg: dict):
     task = build_task(TASK)
     node_cfg = NodeConfig(
         name="bench",
-        model=ModelConfig(preset=cfg["preset"]),
+        model=ModelConfig(preset=cfg["preset"], compute_dtype=cfg.get("compute_dtype", "float32")),
         optim=OptimConfig(lr=LR),
         loss=LossConfig(method="grpo"),
     )
@@ -296,6 +297,9 @@ def trl_step(cfg: dict) -> dict:
     from bench.common import TASK, train_trl_grpo
     from ftis.tasks import build_task
 
+    # bf16: TRL's bf16=True (autocast to bf16, f32 weights and optimizer), against ftis's
+    # model.compute_dtype bfloat16 (the same mixed precision).
+    bf16 = cfg.get("compute_dtype", "float32") == "bfloat16"
     model, tok = _model(cfg["preset"])
     train = build_task(TASK).split("train")
     B, G, T = cfg["prompts"], cfg["group"], cfg["length"]
@@ -327,6 +331,7 @@ def trl_step(cfg: dict) -> dict:
         reward,
         lr=LR,
         callback=Timer(),
+        bf16=bf16,
         logging_strategy="no",
         per_device_train_batch_size=mb,
         gradient_accumulation_steps=B * G // mb,
@@ -439,7 +444,10 @@ def matmul_peak(cfg: dict) -> dict:
         t = ts[len(ts) // 2]
         return flops / t, t
 
+    import ftis.models.loading as loading
+
     shapes = linear_shapes(cfg["preset"])
+    dtype = loading.DTYPES[cfg.get("dtype", "float32")]
     out: dict[str, float] = {}
     g = torch.Generator().manual_seed(0)
     for name, m, backward in (
@@ -448,9 +456,9 @@ def matmul_peak(cfg: dict) -> dict:
     ):
         best, floor = 0.0, 0.0
         for i, o, count in shapes:
-            x = torch.randn(m, i, generator=g)
-            w = torch.randn(o, i, generator=g)
-            dy = torch.randn(m, o, generator=g)
+            x = torch.randn(m, i, generator=g).to(dtype)
+            w = torch.randn(o, i, generator=g).to(dtype)
+            dy = torch.randn(m, o, generator=g).to(dtype)
             flops = 2.0 * m * i * o
             fns = [lambda x=x, w=w: torch.nn.functional.linear(x, w)]
             if backward:
@@ -654,12 +662,62 @@ def run(quick: bool, config: ScaleConfig | None = None) -> dict:
         out[p + "sample_mfu_decode_shapes"] = (
             out[p + "sample_flops_per_s"] / peak["decode_peak_flops"]
         )
+        # Each phase's time as a multiple of its own matmul floor (same run, CPU seconds): the
+        # rollout (the sampler alone), the update, and the whole step (sample + score + update
+        # against the sum of the sampling and update floors).
+        out[p + "rollout_floor_multiple"] = (
+            out[p + "rollout_ftis_cpu_s"] / out[p + "sample_matmul_floor_s"]
+        )
+        out[p + "update_floor_multiple"] = (
+            out[p + "ftis_update_cpu_s"] / out[p + "update_matmul_floor_s"]
+        )
+        out[p + "step_floor_multiple"] = out[p + "ftis_step_cpu_s"] / (
+            out[p + "sample_matmul_floor_s"] + out[p + "update_matmul_floor_s"]
+        )
+        if c.bf16 and T == c.lengths[0]:
+            out.update(_bf16_pair(p, kw, c, n, T))
     out["profile"] = child("profile", **base, length=c.profile_length)
     out["load_after"] = _load()
     head = c.lengths[0]
     out["scale_trl_step_time_ratio"] = out[f"len{head}_trl_step_time_ratio"]
     out["scale_rollout_time_ratio_one_pass"] = out[f"len{head}_rollout_time_ratio_one_pass"]
     out["scale_update_mfu"] = out[f"len{head}_update_mfu"]
+    for key in ("rollout_floor_multiple", "step_floor_multiple", "update_floor_multiple"):
+        out[f"scale_{key}"] = out[f"len{head}_{key}"]
+    if c.bf16:
+        out["scale_trl_step_time_ratio_bf16"] = out[f"len{head}_trl_step_time_ratio_bf16"]
+    return out
+
+
+def _bf16_pair(p: str, kw: dict, c: ScaleConfig, n: int, T: int) -> dict:
+    """One ftis step process with `model.compute_dtype: bfloat16` and one TRL process with
+    `bf16=True` (both: f32 weights and optimizer, forward passes under bf16 autocast), side by side (CPU seconds), and the bf16 matmul floors of the same shapes,
+    so the bf16 step has its own floor multiple."""
+    out: dict = {}
+    ours = child("ftis_step", **kw, compute_dtype="bfloat16")
+    theirs = child("trl_step", **kw, compute_dtype="bfloat16")
+    for k in ("step", "sample", "update"):
+        out[p + f"bf16_ftis_{k}_cpu_s"] = _median(ours[k + "_cpu"])
+    out[p + "bf16_trl_step_cpu_s"] = _median(theirs["step_cpu"])
+    out[p + "bf16_ftis_step_peak_rss_mb"] = ours["peak_rss_mb"]
+    out[p + "bf16_trl_step_peak_rss_mb"] = theirs["peak_rss_mb"]
+    out[p + "trl_step_time_ratio_bf16"] = (
+        out[p + "bf16_ftis_step_cpu_s"] / out[p + "bf16_trl_step_cpu_s"]
+    )
+    peak = child(
+        "matmul_peak",
+        preset=c.preset,
+        update_tokens=c.micro_batch * T,
+        decode_rows=n,
+        reps=5,
+        dtype="bfloat16",
+    )
+    out[p + "bf16_matmul_peak_flops"] = peak["update_peak_flops"]
+    out[p + "bf16_update_matmul_floor_s"] = peak["update_floor_s"] * n / c.micro_batch
+    out[p + "bf16_sample_matmul_floor_s"] = peak["decode_floor_s"] * T
+    out[p + "bf16_step_floor_multiple"] = out[p + "bf16_ftis_step_cpu_s"] / (
+        out[p + "bf16_update_matmul_floor_s"] + out[p + "bf16_sample_matmul_floor_s"]
+    )
     return out
 
 

@@ -7,6 +7,10 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
+def _x(x: float) -> str:
+    return f"{x:.2f}x"
+
+
 def _lengths(s: dict) -> list[int]:
     return list(s["config"]["lengths"])
 
@@ -31,7 +35,7 @@ def scale_summary_rows(s: dict) -> list[str]:
 
     at = " / ".join(str(T) for T in lens)
     name = f"`{s['config']['preset']}` ({s['params_m']:.1f}M)"
-    return [
+    rows = [
         f"| training step, ftis / TRL GRPOTrainer, {name} at {at} tokens (CPU time; section g) "
         f"| {both('trl_step_time_ratio')} | <= 0.5 |",
         f"| rollout, ftis sampler / HF `generate(output_logits=True)` one pass, {name} at {at} "
@@ -39,6 +43,28 @@ def scale_summary_rows(s: dict) -> list[str]:
         f"| update phase utilisation of the measured matmul peak, {name} at {at} tokens "
         f"| {both('update_mfu', _pct)} | >= 50% |",
     ]
+    if f"len{lens[0]}_rollout_floor_multiple" in s:
+        rows += [
+            f"| rollout CPU time / its matmul floor (same run), {name} at {at} tokens "
+            f"| {both('rollout_floor_multiple', _x)} | <= 1.25 |",
+            f"| training step CPU time / its matmul floor (sampling + update floors), {name} at "
+            f"{at} tokens (update alone: {both('update_floor_multiple', _x)}) "
+            f"| {both('step_floor_multiple', _x)} | <= 1.15 |",
+        ]
+    h = f"len{lens[0]}_"
+    if h + "trl_step_time_ratio_bf16" in s:
+        rows.append(
+            f"| training step, ftis / TRL GRPOTrainer, both bf16, {name} at {lens[0]} tokens "
+            f"(CPU time; section g) | {s[h + 'trl_step_time_ratio_bf16']:.3f} | - |"
+        )
+    return rows
+
+
+def _multiples(s: dict, p: str) -> str:
+    keys = ("rollout_floor_multiple", "update_floor_multiple", "step_floor_multiple")
+    if p + keys[0] not in s:  # results from before the multiples were recorded
+        return "-"
+    return " / ".join(_x(s[p + k]) for k in keys)
 
 
 def scale_section(s: dict) -> list[str]:
@@ -73,6 +99,23 @@ def scale_section(s: dict) -> list[str]:
             f"{s[p + 'trl_step_time_ratio_wall']:.3f} | "
             f"{s[p + 'ftis_step_peak_rss_mb']:.0f} / {s[p + 'trl_step_peak_rss_mb']:.0f} |"
         )
+    h = f"len{lens[0]}_"
+    if h + "trl_step_time_ratio_bf16" in s:
+        lines += [
+            "",
+            f"bf16, at {lens[0]} tokens, one process per side: ftis with `model.compute_dtype: "
+            "bfloat16` and TRL with `bf16=True`, both mixed precision (f32 weights and AdamW, "
+            "forward passes under bf16 autocast; ftis samples and takes log-probs in f32 from "
+            "the bf16 logits). "
+            f"ftis {s[h + 'bf16_ftis_step_cpu_s']:.2f} s (sample "
+            f"{s[h + 'bf16_ftis_sample_cpu_s']:.2f}, update {s[h + 'bf16_ftis_update_cpu_s']:.2f}), "
+            f"TRL {s[h + 'bf16_trl_step_cpu_s']:.2f} s: ratio "
+            f"**{s[h + 'trl_step_time_ratio_bf16']:.3f}**; the bf16 step is "
+            f"{s[h + 'bf16_step_floor_multiple']:.2f}x its bf16 matmul floor "
+            f"({s[h + 'bf16_update_matmul_floor_s'] + s[h + 'bf16_sample_matmul_floor_s']:.2f} s; "
+            f"bf16 matmul peak {s[h + 'bf16_matmul_peak_flops'] / 1e9:.1f} GFLOP/s against "
+            f"{s[h + 'matmul_peak_flops'] / 1e9:.1f} in f32).",
+        ]
     lines += [
         "",
         "Rollout with per-token log-probs, the same prompts and lengths: ftis's sampler; HF "
@@ -106,8 +149,8 @@ def scale_section(s: dict) -> list[str]:
         "completions on their cache). `matmul floor`: the time the phase's linear matmuls alone "
         "take at their measured speed.",
         "",
-        "| length | matmul peak (GFLOP/s) | at decode shapes | update GFLOP/s | update utilisation | update s / matmul floor s | sampling GFLOP/s | sampling utilisation (of peak / of decode-shape peak) | sampling s / matmul floor s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| length | matmul peak (GFLOP/s) | at decode shapes | update GFLOP/s | update utilisation | update s / matmul floor s | sampling GFLOP/s | sampling utilisation (of peak / of decode-shape peak) | sampling s / matmul floor s | floor multiple: rollout / update / step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for T in lens:
         p = f"len{T}_"
@@ -117,7 +160,8 @@ def scale_section(s: dict) -> list[str]:
             f"{s[p + 'ftis_update_cpu_s']:.2f} / {s[p + 'update_matmul_floor_s']:.2f} | "
             f"{s[p + 'sample_flops_per_s'] / 1e9:.1f} | {_pct(s[p + 'sample_mfu'])} / "
             f"{_pct(s[p + 'sample_mfu_decode_shapes'])} | "
-            f"{s[p + 'rollout_ftis_cpu_s']:.2f} / {s[p + 'sample_matmul_floor_s']:.2f} |"
+            f"{s[p + 'rollout_ftis_cpu_s']:.2f} / {s[p + 'sample_matmul_floor_s']:.2f} | "
+            f"{_multiples(s, p)} |"
         )
     pr = s["profile"]
     lines += [

@@ -25,3 +25,10 @@ def test_quick_bench_emits_the_summary_keys(tmp_path):
     for key in ("scale_trl_step_time_ratio", "scale_rollout_time_ratio_one_pass"):
         assert isinstance(summary[key], float) and summary[key] > 0, key
     assert 0 < summary["scale_update_mfu"] <= 1.5  # a fraction of the measured matmul peak
+    # each phase's time over its own matmul floor (same run): more than the floor, whatever the
+    # machine (the floor leaves out attention, norms, sampling and Python)
+    for key in ("scale_rollout_floor_multiple", "scale_step_floor_multiple"):
+        assert isinstance(summary[key], float) and summary[key] > 1, key
+    assert isinstance(summary["scale_trl_step_time_ratio_bf16"], float)
+    assert summary["scale_trl_step_time_ratio_bf16"] > 0
+    assert summary["cpu_bf16_units"] is None or isinstance(summary["cpu_bf16_units"], str)

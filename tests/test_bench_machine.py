@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import bench.run as bench_run  # noqa: E402
-from bench.common import cpu_model  # noqa: E402
+from bench.common import cpu_bf16_units, cpu_model  # noqa: E402
 
 
 def test_cpu_model_is_the_first_model_name_line(tmp_path: Path) -> None:
@@ -32,6 +32,19 @@ def test_cpu_model_is_the_first_model_name_line(tmp_path: Path) -> None:
     arm.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n")
     assert cpu_model(arm) is None
     assert cpu_model(tmp_path / "missing") is None
+
+
+def test_bf16_units_are_read_from_the_flags_line(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile\n")
+    assert cpu_bf16_units(info) == "avx512_bf16"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512_bf16 amx_bf16 amx_tile\n")
+    assert cpu_bf16_units(info) == "amx_bf16 avx512_bf16"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\n")
+    assert cpu_bf16_units(info) == "none"
+    info.write_text("processor\t: 0\n")
+    assert cpu_bf16_units(info) is None
+    assert cpu_bf16_units(tmp_path / "missing") is None
 
 
 def test_the_recorded_instruction_set_is_the_one_torch_was_told_to_use() -> None:
@@ -83,12 +96,12 @@ def test_bench_json_and_markdown_record_commit_and_machine(tmp_path: Path, monke
     header = (tmp_path / "BENCHMARKS.md").read_text().splitlines()[2]
     assert f"ftis commit `{env['commit']}`" in header
     assert f"torch's {env['cpu_capability']} kernels" in header
+    assert env["cpu_bf16_units"] == cpu_bf16_units()
     if env["cpu_model"]:
         assert f"Machine: {env['cpu_model']}, " in header
     flat = bench_run.flat_summary(json.loads((tmp_path / "results" / "bench.json").read_text()))
-    assert {k: flat[k] for k in ("commit", "cpu_model", "cpu_capability")} == {
-        k: env[k] for k in ("commit", "cpu_model", "cpu_capability")
-    }
+    keys = ("commit", "cpu_model", "cpu_capability", "cpu_bf16_units")
+    assert {k: flat[k] for k in keys} == {k: env[k] for k in keys}
 
 
 def test_results_from_before_the_machine_was_recorded_say_so() -> None:
@@ -98,3 +111,4 @@ def test_results_from_before_the_machine_was_recorded_say_so() -> None:
     assert "ftis commit not recorded" in header
     assert "CPU model not recorded" in header
     assert "torch's instruction set not recorded" in header
+    assert "bf16 matmul units not recorded" in header

@@ -120,3 +120,22 @@ def test_report_renders_every_figure_from_the_results():
     assert len(rows) == 3 and all(r.startswith("| ") for r in rows)
     assert "## g. Realistic scale" in text and "## h. Hot spots" in text
     assert "`aten::mm`" in text and "**50%**" in text
+
+
+def test_report_renders_the_floor_multiples_and_the_bf16_pair():
+    s = _fake_results()
+    p = "len64_"
+    for k in ("rollout_floor_multiple", "update_floor_multiple", "step_floor_multiple"):
+        s[p + k] = 1.25
+    for k in (
+        "bf16_ftis_step_cpu_s", "bf16_ftis_sample_cpu_s", "bf16_ftis_update_cpu_s",
+        "bf16_trl_step_cpu_s", "trl_step_time_ratio_bf16", "bf16_step_floor_multiple",
+        "bf16_update_matmul_floor_s", "bf16_sample_matmul_floor_s", "bf16_matmul_peak_flops",
+    ):  # fmt: skip
+        s[p + k] = 0.5
+    rows = scale_summary_rows(s)
+    assert len(rows) == 6
+    assert "| 1.25x | <= 1.25 |" in rows[3] and "| 1.25x | <= 1.15 |" in rows[4]
+    assert "both bf16" in rows[5] and "| 0.500 |" in rows[5]
+    text = "\n".join(scale_section(s))
+    assert "1.25x / 1.25x / 1.25x" in text and "ratio **0.500**" in text

@@ -100,7 +100,7 @@ def cache_key(model_cfg: ModelConfig, ws: WarmStartConfig, task_cfg: BaseModel) 
     the torch version included."""
     payload = {
         "version": WARMSTART_VERSION,
-        "model": model_cfg.model_dump(exclude={"lora"}),
+        "model": model_cfg.model_dump(exclude={"lora", "compute_dtype"}),
         "warm_start": ws.model_dump(),
         "task": _task_payload(task_cfg),
         "torch": torch.__version__.split("+")[0],
@@ -114,7 +114,7 @@ def base_key(model_cfg: ModelConfig, ws: WarmStartConfig, task_cfg: BaseModel) -
     warm start comes out but not what a shipped one holds."""
     payload = {
         "version": WARMSTART_VERSION,
-        "model": model_cfg.model_dump(exclude={"lora", "device"}),
+        "model": model_cfg.model_dump(exclude={"lora", "device", "compute_dtype"}),
         "warm_start": ws.model_dump(),
         "task": _task_payload(task_cfg),
     }

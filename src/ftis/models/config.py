@@ -35,7 +35,17 @@ class ModelConfig(BaseModel):
     )
     lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of all weights.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Weight dtype. Log-probs are always computed in float32."
+        "float32",
+        description="Weight dtype (weights, gradients and optimizer state). Log-probs are always "
+        "computed in float32. float16 needs a GPU. bfloat16 weights lose small updates (at lr "
+        "1e-5 most of them); for bf16 speed with float32 weights use compute_dtype.",
+    )
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Precision of the forward passes (sampling, evaluation, the update): "
+        "'bfloat16' runs them under torch.autocast in bf16 with the weights kept in `dtype` "
+        "(mixed precision; fast on CPUs with bf16 matmul instructions such as AVX512_BF16/AMX "
+        "and on GPUs). Sampled tokens' log-probs are still recorded exactly in float32.",
     )
     init_seed: int = Field(0, description="Seed of a preset's random initialisation.")
     device: Literal["auto", "cpu", "cuda"] = Field(
@@ -50,6 +60,12 @@ class ModelConfig(BaseModel):
             raise ValueError(
                 "give exactly one of model.preset (a tiny built-in model) and model.path "
                 "(a Hugging Face causal LM)"
+            )
+        if self.dtype == "float16" and self.device == "cpu":
+            raise ValueError(
+                "model.dtype float16 is not supported on the CPU (half-precision matmuls there "
+                "are slow and training without loss scaling underflows); use model.dtype "
+                "float32 with model.compute_dtype bfloat16, or run on a GPU"
             )
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(

@@ -65,6 +65,21 @@ def model_device(model: torch.nn.Module) -> torch.device:
 def build_model(cfg: ModelConfig) -> PreTrainedModel:
     """The base model (no adapters), in train mode, on `cfg.device`."""
     dtype = DTYPES[cfg.dtype]
+    device = resolve_device(cfg.device)
+    if device.type == "cpu" and cfg.dtype == "float16":
+        raise ModelLoadError(
+            "model.dtype float16 is not supported on the CPU (model.device resolved to the CPU: "
+            "no GPU here); use model.dtype float32 with model.compute_dtype bfloat16"
+        )
+    if (
+        device.type == "cuda"
+        and "bfloat16" in (cfg.dtype, cfg.compute_dtype)
+        and not torch.cuda.is_bf16_supported()
+    ):
+        raise ModelLoadError(
+            f"model.dtype/compute_dtype bfloat16: the GPU {torch.cuda.get_device_name(device)} "
+            "does not support bf16; use float32 (or model.dtype float16 on this GPU)"
+        )
     if cfg.preset is not None:
         torch.manual_seed(cfg.init_seed)
         model = AutoModelForCausalLM.from_config(preset_config(cfg.preset), dtype=dtype)
@@ -78,7 +93,7 @@ def build_model(cfg: ModelConfig) -> PreTrainedModel:
                 "access."
             ) from e
     model.generation_config.pad_token_id = model.config.pad_token_id
-    return model.to(resolve_device(cfg.device))
+    return model.to(device)
 
 
 def attach_lora(model: PreTrainedModel, lora: LoraConfig) -> torch.nn.Module:

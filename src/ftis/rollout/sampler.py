@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ftis.models.logprobs import _cache_kwarg, position_ids_from_mask
+from ftis.models.precision import compute_context
 from ftis.rollout.cache import preallocated_cache
 
 
@@ -84,6 +85,7 @@ def sample(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
     noise: torch.Tensor | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> Samples:
     """Sample `num_samples` completions for each prompt (temperature 0 = greedy).
 
@@ -102,6 +104,11 @@ def sample(
     `truncate_logits` and renormalised, and record that distribution's log-probs, so a node's
     own samples no longer have ratio 1 against the untruncated receiver (docs/math.md §7.1).
     With top_k = 0 and top_p = 1 (the defaults) the draws are exactly those without them.
+
+    compute_dtype: run the model's forward passes under autocast in this dtype (bf16: mixed
+    precision, `ftis.models.precision`), each weight cast once for the whole rollout. The
+    sampling itself stays in f32 on the (upcast) logits, so the recorded log-probs are exactly
+    the f32 log-probs of the distribution each token was drawn from. None: as the weights are.
     """
     if num_samples < 1 or max_new_tokens < 1:
         raise ValueError("num_samples and max_new_tokens must be >= 1")
@@ -111,7 +118,6 @@ def sample(
         raise ValueError(
             f"top_k must be >= 0 (0 = off) and top_p in (0, 1] (1 = off), got {top_k!r}, {top_p!r}"
         )
-    truncated = top_k > 0 or top_p < 1
     if noise is not None and noise.shape != (len(prompts) * num_samples, max_new_tokens):
         raise ValueError(
             f"noise must have shape ({len(prompts) * num_samples}, {max_new_tokens}), "
@@ -125,88 +131,120 @@ def sample(
         noise = torch.rand((len(prompts) * num_samples, max_new_tokens), generator=generator)
     was_training = model.training
     model.eval()
+    device = next(model.parameters()).device
     try:
-        repeated = [p for p in prompts for _ in range(num_samples)]
-        prompt_ids, prompt_mask = left_pad(repeated, pad_id)
-        n = prompt_ids.shape[0]
-        device = next(model.parameters()).device
-        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-
-        width = prompt_ids.shape[1]
-        # KV buffers and the attention mask are allocated once for the whole rollout and
-        # filled in place (rollout/cache.py); the model sees views of the filled part.
-        cache = preallocated_cache(width + max_new_tokens)
-        cache_kw = {_cache_kwarg(model): cache}
-        full_attn = torch.ones((n, width + max_new_tokens), dtype=prompt_mask.dtype, device=device)
-        full_attn[:, :width] = prompt_mask
-        positions = position_ids_from_mask(prompt_mask)
-        # Each prompt runs through the model once; its KV cache and last logits are then
-        # gathered to its num_samples rows (the prompt's G completions share them).
-        unique_ids, unique_mask = left_pad(prompts, pad_id)
-        out = model(
-            input_ids=unique_ids.to(device),
-            attention_mask=unique_mask.to(device),
-            position_ids=position_ids_from_mask(unique_mask.to(device)),
-            **cache_kw,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        logits = out.logits[:, -1, :]
-        if num_samples > 1:
-            row_of = torch.arange(len(prompts), device=device).repeat_interleave(num_samples)
-            cache.batch_select_indices(row_of)
-            logits = logits[row_of]
-        next_pos = positions[:, -1:] + 1
-
-        tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
-        logprobs = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
-        done = torch.zeros(n, dtype=torch.bool, device=device)
-        lengths = torch.zeros(n, dtype=torch.long, device=device)
-        steps = 0
-        for t in range(max_new_tokens):
-            logits = logits.float()
-            if temperature > 0:
-                scaled = logits / temperature
-                if truncated:
-                    scaled = truncate_logits(scaled, top_k=top_k, top_p=top_p)
-                logp = torch.log_softmax(scaled, dim=-1)
-                cdf = logp.exp().cumsum(-1)
-                u = noise[:, t : t + 1].to(cdf.device) * cdf[:, -1:]
-                # right=True: the first token whose cdf exceeds u, so a draw of exactly 0 (or one
-                # on a cdf step) never picks a token of probability 0.
-                tok = torch.searchsorted(cdf, u, right=True).squeeze(-1)
-                tok = tok.clamp_(max=cdf.shape[-1] - 1)
-            else:
-                logp = torch.log_softmax(logits, dim=-1)
-                tok = logp.argmax(-1)
-            tok_lp = logp.gather(-1, tok[:, None]).squeeze(-1)
-            active = ~done
-            tokens[:, t] = torch.where(active, tok, pad_id)
-            logprobs[:, t] = torch.where(active, tok_lp, 0.0)
-            lengths += active.long()
-            done |= tok == eos_id
-            steps = t + 1
-            if bool(done.all()) or t == max_new_tokens - 1:
-                break
-            out = model(
-                input_ids=tokens[:, t : t + 1],
-                attention_mask=full_attn[:, : width + t + 1],
-                position_ids=next_pos,
-                **cache_kw,
-                use_cache=True,
+        with compute_context(device, compute_dtype):
+            return _sample_loop(
+                model,
+                prompts,
+                num_samples=num_samples,
+                max_new_tokens=max_new_tokens,
+                eos_id=eos_id,
+                pad_id=pad_id,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                noise=noise,
+                device=device,
             )
-            logits = out.logits[:, -1, :]
-            next_pos = next_pos + 1
-        return Samples(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            completion_ids=tokens[:, :steps],
-            lengths=lengths,
-            logprobs=logprobs[:, :steps],
-            finished=done,
-        )
     finally:
         model.train(was_training)
+
+
+def _sample_loop(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    *,
+    num_samples: int,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    noise: torch.Tensor | None,
+    device: torch.device,
+) -> Samples:
+    """The rollout of `sample` (arguments checked there, model in eval mode)."""
+    truncated = top_k > 0 or top_p < 1
+    repeated = [p for p in prompts for _ in range(num_samples)]
+    prompt_ids, prompt_mask = left_pad(repeated, pad_id)
+    n = prompt_ids.shape[0]
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+
+    width = prompt_ids.shape[1]
+    # KV buffers and the attention mask are allocated once for the whole rollout and
+    # filled in place (rollout/cache.py); the model sees views of the filled part.
+    cache = preallocated_cache(width + max_new_tokens)
+    cache_kw = {_cache_kwarg(model): cache}
+    full_attn = torch.ones((n, width + max_new_tokens), dtype=prompt_mask.dtype, device=device)
+    full_attn[:, :width] = prompt_mask
+    positions = position_ids_from_mask(prompt_mask)
+    # Each prompt runs through the model once; its KV cache and last logits are then
+    # gathered to its num_samples rows (the prompt's G completions share them).
+    unique_ids, unique_mask = left_pad(prompts, pad_id)
+    out = model(
+        input_ids=unique_ids.to(device),
+        attention_mask=unique_mask.to(device),
+        position_ids=position_ids_from_mask(unique_mask.to(device)),
+        **cache_kw,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    logits = out.logits[:, -1, :]
+    if num_samples > 1:
+        row_of = torch.arange(len(prompts), device=device).repeat_interleave(num_samples)
+        cache.batch_select_indices(row_of)
+        logits = logits[row_of]
+    next_pos = positions[:, -1:] + 1
+
+    tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
+    done = torch.zeros(n, dtype=torch.bool, device=device)
+    lengths = torch.zeros(n, dtype=torch.long, device=device)
+    steps = 0
+    for t in range(max_new_tokens):
+        logits = logits.float()
+        if temperature > 0:
+            scaled = logits / temperature
+            if truncated:
+                scaled = truncate_logits(scaled, top_k=top_k, top_p=top_p)
+            logp = torch.log_softmax(scaled, dim=-1)
+            cdf = logp.exp().cumsum(-1)
+            u = noise[:, t : t + 1].to(cdf.device) * cdf[:, -1:]
+            # right=True: the first token whose cdf exceeds u, so a draw of exactly 0 (or one
+            # on a cdf step) never picks a token of probability 0.
+            tok = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+            tok = tok.clamp_(max=cdf.shape[-1] - 1)
+        else:
+            logp = torch.log_softmax(logits, dim=-1)
+            tok = logp.argmax(-1)
+        tok_lp = logp.gather(-1, tok[:, None]).squeeze(-1)
+        active = ~done
+        tokens[:, t] = torch.where(active, tok, pad_id)
+        logprobs[:, t] = torch.where(active, tok_lp, 0.0)
+        lengths += active.long()
+        done |= tok == eos_id
+        steps = t + 1
+        if bool(done.all()) or t == max_new_tokens - 1:
+            break
+        out = model(
+            input_ids=tokens[:, t : t + 1],
+            attention_mask=full_attn[:, : width + t + 1],
+            position_ids=next_pos,
+            **cache_kw,
+            use_cache=True,
+        )
+        logits = out.logits[:, -1, :]
+        next_pos = next_pos + 1
+    return Samples(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=tokens[:, :steps],
+        lengths=lengths,
+        logprobs=logprobs[:, :steps],
+        finished=done,
+    )
 
 
 def decode_completions(tokenizer, completion_ids: torch.Tensor, lengths: torch.Tensor) -> list[str]:

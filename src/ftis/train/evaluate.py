@@ -17,6 +17,7 @@ import torch
 
 from ftis.config import EvalConfig, TrainConfig
 from ftis.core.passk import pass_at_k
+from ftis.models.precision import node_compute_dtype
 from ftis.rewards.decode import decode_for_reward
 from ftis.rewards.runtime import task_rewards
 from ftis.rollout.sampler import sample
@@ -72,6 +73,7 @@ def _samples(
             pad_id=tok.pad_token_id,
             temperature=temperature,
             generator=generator,
+            compute_dtype=node_compute_dtype(node),
         )
         texts = decode_for_reward(tok, s.completion_ids, s.lengths)
         if texts_out is not None:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from ftis.config import TrainConfig
+from ftis.models.precision import model_compute_dtype
 from ftis.rollout.sampler import sample
 from ftis.rollout.types import RolloutBatch
 from ftis.tasks.base import Problem, Task
@@ -68,6 +69,7 @@ def generate(
         top_k=cfg.top_k,
         top_p=cfg.top_p,
         noise=noise,
+        compute_dtype=model_compute_dtype(node.cfg.model.compute_dtype),
     )
     n = out.completion_ids.shape[0]
     index = torch.tensor([p.index for p in problems], dtype=torch.long)

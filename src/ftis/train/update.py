@@ -21,6 +21,7 @@ from ftis.core.kl import kl_penalty
 from ftis.core.losses import drop_mode_grad_scale, policy_loss, resolve_method
 from ftis.core.reco import reco_weights, variance_ratio_summary
 from ftis.models.logprobs import shared_prompt_completion_logprobs
+from ftis.models.precision import compute_context, model_compute_dtype
 from ftis.rollout.sampler import left_pad
 from ftis.rollout.types import RolloutBatch
 from ftis.tasks.base import Task
@@ -110,6 +111,10 @@ def update(
     width_all = max(int(batch.lengths.max()), 1) if n else 1  # for the "padded" filter statistic
     kept_total = 0.0
     lower = peer_clip_lower(update_index, loss_cfg.hacpo_clip_lower, loss_cfg.hacpo_clip_step)
+    # model.compute_dtype bfloat16: forward passes under autocast (weights, gradients and the
+    # optimizer stay in model.dtype; log-probs come out in f32); backward runs outside it.
+    compute_dtype = model_compute_dtype(node.cfg.model.compute_dtype)
+    model_dev = next(node.model.parameters()).device
     for start in range(0, n, mb):
         sl = slice(start, min(start + mb, n))
         # Each prompt of the micro-batch runs through the model once; its G completions share
@@ -121,15 +126,16 @@ def update(
         width = max(int(batch.lengths[sl].max()), 1)
         comp = batch.completion_ids[sl, :width]
         mask = mask_all[sl, :width]
-        logprobs = shared_prompt_completion_logprobs(
-            node.model,
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            prompt_of=prompt_of,
-            completion_ids=comp,
-            completion_mask=mask.long(),
-            temperature=temperature,
-        )
+        with compute_context(model_dev, compute_dtype):
+            logprobs = shared_prompt_completion_logprobs(
+                node.model,
+                prompt_ids=prompt_ids,
+                prompt_mask=prompt_mask,
+                prompt_of=prompt_of,
+                completion_ids=comp,
+                completion_mask=mask.long(),
+                temperature=temperature,
+            )
         dev = logprobs.device  # the model's: a GPU node trains on the GPU, batches stay on CPU
         loss, metrics = policy_loss(
             logprobs,
@@ -163,7 +169,11 @@ def update(
                 )
             )
         if beta > 0:
-            with torch.no_grad(), node.reference() as ref_model:
+            with (
+                torch.no_grad(),
+                node.reference() as ref_model,
+                compute_context(model_dev, compute_dtype),
+            ):
                 ref_logprobs = shared_prompt_completion_logprobs(
                     ref_model,
                     prompt_ids=prompt_ids,
