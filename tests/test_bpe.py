@@ -45,7 +45,11 @@ def test_digits_merge_so_the_two_tokenizations_of_an_answer_differ():
     tok = bpe.bpe_tokenizer()
     # frequent two-digit numbers and "100" are single tokens, "45" too; a rare one splits
     assert tok.convert_ids_to_tokens(tok.encode("23+45=68", add_special_tokens=False)) == [
-        "23", "+", "45", "=", "68"
+        "23",
+        "+",
+        "45",
+        "=",
+        "68",
     ]
     assert len(tok.encode("100", add_special_tokens=False)) == 1
     assert len(char_tokenizer().encode("100", add_special_tokens=False)) == 3

@@ -37,8 +37,14 @@ def training_corpus() -> list[str]:
     texts: list[str] = []
     for cfg in (
         {"seed": CORPUS_SEED},
-        {"seed": CORPUS_SEED, "ops": {"+": 1.0, "-": 1.0, "*": 1.0}, "min_digits": 2,
-         "max_digits": 3, "terms": 3, "ood": {}},
+        {
+            "seed": CORPUS_SEED,
+            "ops": {"+": 1.0, "-": 1.0, "*": 1.0},
+            "min_digits": 2,
+            "max_digits": 3,
+            "terms": 3,
+            "ood": {},
+        },
     ):
         train = ArithmeticTask(cfg).split("train")
         texts += [p.question + p.answer for p in train[:CORPUS_PER_SOURCE]]
