@@ -130,6 +130,13 @@ def to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
         lengths=batch.lengths.to(device),
         sampler_logprobs=batch.sampler_logprobs.to(device),
         text=batch.text,  # read on the CPU by the bridge (ftis.algos.ftis.bridge)
+        bridged=None if batch.bridged is None else batch.bridged.to(device),
+        bridge_sampler_logprob=None
+        if batch.bridge_sampler_logprob is None
+        else batch.bridge_sampler_logprob.to(device),
+        bridge_sampler_length=None
+        if batch.bridge_sampler_length is None
+        else batch.bridge_sampler_length.to(device),
     )
 
 

@@ -28,6 +28,7 @@ import torch
 
 from ftis.algos import get_algorithm
 from ftis.algos.base import ServiceContext
+from ftis.algos.ftis.bridge import bridge_blocker
 from ftis.config import ConfigError, RunConfig, load_config
 from ftis.exchange.group import GroupMismatchError, check_group
 from ftis.exchange.store import Membership, PeerGroupError, StoreTransport, connect_store
@@ -168,16 +169,16 @@ def main(argv: list[str] | None = None) -> int:
             done = step or 0
         store, rank, world = connect_store(cfg.exchange.timeout_s)
         membership = Membership(store, rank, world, timeout_s=cfg.exchange.timeout_s)
+        tok = load_tokenizer(cfg.nodes[rank].model) if is_node else None
         first_steps = check_group(
             membership,
             names=names,
             # a service rank has no model: it takes part with an empty fingerprint
-            fingerprint=tokenizer_fingerprint(load_tokenizer(cfg.nodes[rank].model))
-            if is_node
-            else "",
+            fingerprint=tokenizer_fingerprint(tok) if tok is not None else "",
             settings_digest=shared_settings_digest(cfg),
             first_step=done + 1,
             timeout_s=max(cfg.exchange.timeout_s, 120.0),
+            bridge_blocker=bridge_blocker(cfg, rank, tok) if tok is not None else None,
         )
         stop = StopFlag()
         transport = StoreTransport(

@@ -162,3 +162,21 @@ def bridge_refusal(tokenizer, name: str) -> str | None:
                     "prefix of the text, so its tokens have no character boundaries"
                 )
     return None
+
+
+def bridge_blocker(cfg, rank: int, tokenizer) -> str | None:
+    """Why node `rank` of run config `cfg` cannot take the bridged path (a key of
+    `ftis.exchange.group.BRIDGE_BLOCKERS`), or None: its algorithm must be the sample
+    exchange ("ftis"), its loss method one with a bridged form, its tokenizer able to decode
+    the text it produces (`bridge_refusal`)."""
+    from ftis.core.bridge import BRIDGED_METHODS
+    from ftis.core.losses import resolve_method
+
+    node = cfg.nodes[rank]
+    if cfg.algorithm.kind != "ftis":
+        return "algorithm"
+    if resolve_method(node.loss.method)[0] not in BRIDGED_METHODS:
+        return "method"
+    if bridge_refusal(tokenizer, node.name) is not None:
+        return "decode"
+    return None
