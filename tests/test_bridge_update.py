@@ -1,4 +1,4 @@
-"""The bridged path inside the update (docs/math.md §16): with one tokenizer and identical
+"""The bridged path inside the update (docs/math.md §15): with one tokenizer and identical
 tokens, marking a peer's batch as bridged changes nothing where the bridged form is the exact
 one, and micro-batches change nothing."""
 

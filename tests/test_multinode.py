@@ -86,7 +86,7 @@ def test_three_nodes_with_lora_run_to_the_end(tmp_path):
 
 
 def test_peers_with_different_tokenizers_that_cannot_be_bridged_are_refused(tmp_path):
-    # another tokenizer takes the bridged path (docs/math.md §16), which a loss that needs the
+    # another tokenizer takes the bridged path (docs/math.md §15), which a loss that needs the
     # sender's per-token probabilities (ReCo) cannot take: refused, naming the node and why
     path = tmp_path / "other-model"
     build_model(ModelConfig(preset="llama-xs")).save_pretrained(path)
@@ -296,7 +296,7 @@ def test_group_checks_name_what_differs():
     assert check([f"t:{d}:1", f"t:{d}:5"]) == [1, 5]
     with pytest.raises(GroupMismatchError, match="different shared settings"):
         check([f"t:{d}:1", "t:other:1"])
-    # different tokenizers: bridged when both can (docs/math.md §16), else refused naming who
+    # different tokenizers: bridged when both can (docs/math.md §15), else refused naming who
     assert check([f"t:{d}:1", f"u:{d}:1"]) == [1, 1]
     with pytest.raises(GroupMismatchError, match="b use tokenizer u.*node b: its algorithm"):
         check([f"t:{d}:1", f"u!algorithm:{d}:1"])

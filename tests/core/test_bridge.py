@@ -1,4 +1,4 @@
-"""The bridged path's sequence-level math (docs/math.md §16): values derived by hand in each
+"""The bridged path's sequence-level math (docs/math.md §15): values derived by hand in each
 test's comment."""
 
 from __future__ import annotations

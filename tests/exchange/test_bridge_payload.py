@@ -1,5 +1,5 @@
 """The bridged path end to end below the trainer: text section on the wire (validated, hostile
-payloads rejected and counted), re-tokenization and the sender's totals (docs/math.md §16)."""
+payloads rejected and counted), re-tokenization and the sender's totals (docs/math.md §15)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sequence-level weights for peers on a different tokenizer: the bridged path (docs/math.md §16).
+"""Sequence-level weights for peers on a different tokenizer: the bridged path (docs/math.md §15).
 
 A peer on another tokenizer sends the text of each completion and its own total log-prob of
 that text (the sum of its per-token log-probs over the tokens that spell it, EOS included when
@@ -24,7 +24,7 @@ from ftis.core.shaping import luffy_weight
 
 # Log-ratios are clamped before exp, as in ftis.core.losses (docs/math.md §3.4).
 LOG_RATIO_CLAMP = 20.0
-# The loss methods with a bridged form (docs/math.md §16.3); "reco" needs the sender's
+# The loss methods with a bridged form (docs/math.md §15.3); "reco" needs the sender's
 # per-token probabilities (its variance ratio) and has none.
 BRIDGED_METHODS: tuple[str, ...] = ("nois", "vis", "tis", "gspo", "hacpo")
 
@@ -42,7 +42,7 @@ def sequence_logprob(logprobs: Tensor, mask: Tensor) -> Tensor:
 
 def bridged_log_ratio(*, logprobs: Tensor, mask: Tensor, sampler_total: Tensor) -> Tensor:
     """(N,) ``S_recv - S_send``: the log of the sequence importance ratio
-    ``pi_recv(y) / pi_send(y)`` of the string y, clamped to +-LOG_RATIO_CLAMP (§16.1)."""
+    ``pi_recv(y) / pi_send(y)`` of the string y, clamped to +-LOG_RATIO_CLAMP (§15.1)."""
     d = sequence_logprob(logprobs, mask) - sampler_total.detach().to(torch.float32)
     return d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
@@ -51,7 +51,7 @@ def bridged_mean_log_ratio(
     *, logprobs: Tensor, mask: Tensor, sampler_total: Tensor, sampler_length: Tensor
 ) -> Tensor:
     """(N,) ``delta_i = S_recv / L_recv - S_send / L_send``: the length-normalised log-ratio,
-    each total divided by that model's own token count (HACPO's; §16.2). With one tokenizer and
+    each total divided by that model's own token count (HACPO's; §15.2). With one tokenizer and
     identical tokens it is GSPO's ``mean_t (lp - glp)`` exactly. Lengths are floored at 1."""
     s_recv = sequence_logprob(logprobs, mask)
     l_recv = mask.sum(dim=1).clamp(min=1).to(s_recv.dtype)
@@ -64,7 +64,7 @@ def bridged_tis_weight(
     *, logprobs: Tensor, mask: Tensor, sampler_total: Tensor, is_cap: float = 2.0
 ) -> Tensor:
     """(N,) ``w_i = min(exp(S_recv - S_send), C)``, detached: the truncated sequence-level IS
-    weight of the F-TIS family on the bridged path (§16.1)."""
+    weight of the F-TIS family on the bridged path (§15.1)."""
     with torch.no_grad():
         return torch.exp(
             bridged_log_ratio(logprobs=logprobs, mask=mask, sampler_total=sampler_total)
@@ -74,7 +74,7 @@ def bridged_tis_weight(
 def bridged_divergence(
     *, logprobs: Tensor, mask: Tensor, sampler_total: Tensor, sampler_length: Tensor
 ) -> Tensor:
-    """(N,) the filter statistic of the bridged path, without grad (§16.4):
+    """(N,) the filter statistic of the bridged path, without grad (§15.4):
     ``D_i = k3(d_i) = exp(d_i) - d_i - 1`` with ``d_i = -delta_i = S_send / L_send - S_recv /
     L_recv``, the per-token k3 estimator applied to the length-normalised log-ratio. With
     identical tokenizations it is at most the exact path's D_i (Jensen: k3 is convex), with
@@ -116,7 +116,7 @@ def bridged_loss(
     hacpo_alpha: float = 1.0,
     gspo_eps: tuple[float, float] = (3e-4, 4e-4),
 ) -> BridgedLoss:
-    """Per-sequence loss terms of bridged (peer) sequences, docs/math.md §16.3.
+    """Per-sequence loss terms of bridged (peer) sequences, docs/math.md §15.3.
 
     With ``g_i = (1/L_i) sum_t exp(lp - sg(lp))`` (value 1, gradient the mean of grad lp over the
     receiver's L_i tokens) and A_i after the filter:

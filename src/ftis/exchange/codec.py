@@ -56,7 +56,7 @@ class RolloutCodec:
             `ftis.exchange.wire.encode_rollouts`. Peers may differ: each payload says its own.
         max_sequences: the most sequences accepted from one peer.
         compress: zlib the payload sections when that shrinks them.
-        bridged_peers: ranks on another tokenizer (docs/math.md §16): their payloads must carry
+        bridged_peers: ranks on another tokenizer (docs/math.md §15): their payloads must carry
             the text section, and their ids are checked against the vocabulary the payload
             declares (they are the sender's ids, which this node never uses), not this node's.
     """

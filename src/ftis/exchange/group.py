@@ -3,7 +3,7 @@
 Prompt indices are exchanged as they are, so peers must share the settings that decide which
 prompts a round uses. Token ids are exchanged as they are between peers on one tokenizer (the
 exact path); a pair on different tokenizers exchanges text instead (the bridged path, docs/math.md
-§16), when both can: the handshake says which path each pair takes and why, and refuses only a
+§15), when both can: the handshake says which path each pair takes and why, and refuses only a
 pair that cannot be bridged, naming the node and the reason. It gathers one short string per
 rank through the group's `Membership` and fails the same way on every rank.
 """
@@ -75,7 +75,7 @@ def check_group(
             )
             raise GroupMismatchError(
                 f"peers on different tokenizers ({detail}) must exchange text (the bridged "
-                f"path, docs/math.md §16), but {why}. Give every node a model with the same "
+                f"path, docs/math.md §15), but {why}. Give every node a model with the same "
                 "tokenizer, or fix what blocks the bridged path."
             )
         for line in pair_paths(names, toks):
@@ -106,6 +106,6 @@ def pair_paths(names: list[str], fingerprints: list[str]) -> list[str]:
                 else:
                     out.append(
                         f"{names[a]} <-> {names[b]}: bridged path (tokenizers {ta} != {tb}: "
-                        "text, re-tokenized, sequence-level weights; docs/math.md §16)"
+                        "text, re-tokenized, sequence-level weights; docs/math.md §15)"
                     )
     return out

@@ -5,8 +5,9 @@
              --master-addr HOST --master-port 29500 -m ftis.launch.worker CONFIG --out RUN_DIR
 
 RANK picks the node (`nodes[RANK]` in the config). Before any warm start, the group checks that
-every peer has the same tokenizer and the same shared settings (task, train, sharing, algorithm),
-since token ids and prompt indices are exchanged as they are. Samples travel through a key-value store
+every peer has the same shared settings (task, train, sharing, algorithm), since prompt indices
+are exchanged as they are, and that peers on different tokenizers can take the bridged path
+(docs/math.md §15; each pair's path is logged). Samples travel through a key-value store
 (`ftis.exchange.store`), not a collective, so a node that dies only costs its peers its samples.
 
 Exit codes: 0 finished, 130 stopped by SIGINT/SIGTERM after a checkpoint, 2 a user error (the

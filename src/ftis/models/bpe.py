@@ -2,7 +2,7 @@
 
 The second embedded tokenizer (issue 23): presets that use it (``*-bpe``) cannot exchange token
 ids with presets on the character tokenizer, so a run that pairs them takes the bridged path
-of the sample exchange (docs/math.md §16). Digits merge ("23", "100" are single tokens), so the
+of the sample exchange (docs/math.md §15). Digits merge ("23", "100" are single tokens), so the
 two tokenizations of an answer really differ.
 
 Determinism: the corpus is a fixed list of strings made by the embedded task generators with

@@ -4,7 +4,7 @@ Sizes are chosen for a 2-core CPU: the embedded task trains them in seconds to m
 Most presets use the character tokenizer (ftis.models.tokenizer); the ``*-bpe`` presets use the
 byte-level BPE trained on the embedded tasks (ftis.models.bpe). Peers on one tokenizer exchange
 token ids as they are; a pair on different tokenizers takes the sample exchange's bridged path
-(docs/math.md §16).
+(docs/math.md §15).
 
 The table is plain data, importable without transformers (run configs validate against it);
 only `preset_config` imports transformers.

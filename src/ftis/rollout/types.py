@@ -15,7 +15,7 @@ import torch
 @dataclass
 class CompletionText:
     """What a sender adds to its payload for peers on another tokenizer (the bridged path,
-    docs/math.md §16, docs/wire-format.md "Text section"). Shapes as in `RolloutBatch`.
+    docs/math.md §15, docs/wire-format.md "Text section"). Shapes as in `RolloutBatch`.
 
     Attributes:
         texts: N strings: each completion's text, decoded without structural tokens (pad, BOS,
@@ -50,7 +50,7 @@ class RolloutBatch:
             only; `select` and `concat` drop it).
         bridged: (N,) bool or None (all False): True for a peer's sequence on another tokenizer,
             re-tokenized by this node; its ids are this node's, its `sampler_logprobs` are 0 and
-            unused, and its sender's totals are in the two fields below (docs/math.md §16).
+            unused, and its sender's totals are in the two fields below (docs/math.md §15).
         bridge_sampler_logprob: (N,) float32 or None: the sender's total log-prob of a bridged
             sequence's string (EOS included when it finished); 0 on other rows.
         bridge_sampler_length: (N,) int64 or None: the number of sender tokens in that total.

@@ -82,7 +82,7 @@ def update(
     §14); every sequence then runs (zero-advantage ones have a KL gradient) and the metrics gain
     `kl` (before beta; `loss` includes it).
 
-    Bridged sequences (`batch.bridged`: a peer's on another tokenizer, docs/math.md §16) take
+    Bridged sequences (`batch.bridged`: a peer's on another tokenizer, docs/math.md §15) take
     the sequence-level terms of `ftis.core.bridge.bridged_loss` with the same global N; the
     others `policy_loss` as always (its metrics then describe them alone). The metrics gain
     `bridge_sequences`, `bridge_weight_mean`, `bridge_filtered` and `bridge_filter_stat_mean`

@@ -3,7 +3,7 @@
     sample      this node's share of the step's prompts, G completions each (or G/n: horizontal)
     exchange    every node's rollouts, tokens + sampler log-probs only
     validate    a peer's batch may only answer the prompts it was given, within its share
-    bridge      a peer on another tokenizer sent text: re-tokenize it (docs/math.md §16)
+    bridge      a peer on another tokenizer sent text: re-tokenize it (docs/math.md §15)
     score       rewards from this node's own verifier
     advantages  per group (= per prompt), before any filtering
     update      receiver log-probs, the node's loss (F-TIS by default), one optimizer step
@@ -133,7 +133,7 @@ class FTISAlgorithm:
         return metrics
 
     def _bridge(self, received: list[RolloutBatch | None], step: int) -> dict[str, float]:
-        """Re-tokenize every bridged peer's batch in place (docs/math.md §16); a sequence whose
+        """Re-tokenize every bridged peer's batch in place (docs/math.md §15); a sequence whose
         text this node cannot spell, or that re-tokenizes past the limit, is dropped and
         counted."""
         samples = dropped = 0
@@ -318,7 +318,7 @@ class FTISAlgorithm:
 
 def peer_paths(ctx: NodeContext) -> list[str]:
     """Per rank: "self", "exact" (one tokenizer: ids and per-token log-probs) or "bridged"
-    (another tokenizer: text and sequence-level weights, docs/math.md §16). Every node builds
+    (another tokenizer: text and sequence-level weights, docs/math.md §15). Every node builds
     the same table from the run config (each node's tokenizer is loaded here: presets and local
     paths). Raises GroupMismatchError when a pair on different tokenizers cannot be bridged
     (the launcher's handshake says the same before any process gets here)."""

@@ -1,11 +1,11 @@
-"""The bridged path of the sample exchange: peers on different tokenizers (docs/math.md §16).
+"""The bridged path of the sample exchange: peers on different tokenizers (docs/math.md §15).
 
 Sender: `attach_text` adds each completion's text, its finished bit and the character ends of
 its tokens to the outgoing batch (the wire's text section). Receiver: `retokenize` turns a
 bridged peer's decoded batch into this node's tokens, keeping the sender's total log-prob of
 the string and its token count for the sequence-level weights of ftis.core.bridge.
 
-Text rules (docs/math.md §16.5):
+Text rules (docs/math.md §15.5):
 - structural tokens (pad, BOS, EOS, UNK, ...) spell nothing; a final EOS becomes the finished
   bit and the receiver appends its own EOS (both totals then include the stop event);
 - every other special token travels as its literal text and is re-tokenized as plain text
