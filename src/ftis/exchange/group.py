@@ -41,12 +41,14 @@ def check_group(
     first_step: int = 1,
     timeout_s: float = 120.0,
     bridge_blocker: str | None = None,
+    tokenizers_out: list[str] | None = None,
 ) -> list[int]:
     """Form the group: raise GroupMismatchError, on every rank alike, if shared-settings digests
     differ or two peers' tokenizers differ and one of them cannot take the bridged path; return
     every rank's first round (they differ after some resumes). `names` names the ranks in
     messages (a node's name, or its role). `bridge_blocker`: why this rank cannot bridge (a key
-    of BRIDGE_BLOCKERS), None when it can. Each pair's path is logged (`pair_paths`)."""
+    of BRIDGE_BLOCKERS), None when it can. Each pair's path is logged (`pair_paths`).
+    `tokenizers_out`: when given, filled with every rank's fingerprint ("" for no model)."""
     if bridge_blocker is not None and bridge_blocker not in BRIDGE_BLOCKERS:
         raise ValueError(f"unknown bridge blocker {bridge_blocker!r}")
     if fingerprint and bridge_blocker:
@@ -61,6 +63,8 @@ def check_group(
         )
     toks = [p[0].partition("!")[0] for p in parts]
     blockers = [p[0].partition("!")[2] or None for p in parts]
+    if tokenizers_out is not None:
+        tokenizers_out[:] = toks
     if len({t for t in toks if t}) > 1:  # ranks without a model (a server) send ""
         blocked = [(name, b) for name, t, b in zip(names, toks, blockers) if t and b is not None]
         if blocked:

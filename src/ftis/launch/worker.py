@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         store, rank, world = connect_store(cfg.exchange.timeout_s)
         membership = Membership(store, rank, world, timeout_s=cfg.exchange.timeout_s)
         tok = load_tokenizer(cfg.nodes[rank].model) if is_node else None
+        fingerprints: list[str] = []
         first_steps = check_group(
             membership,
             names=names,
@@ -180,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             first_step=done + 1,
             timeout_s=max(cfg.exchange.timeout_s, 120.0),
             bridge_blocker=bridge_blocker(cfg, rank, tok) if tok is not None else None,
+            tokenizers_out=fingerprints,
         )
         stop = StopFlag()
         transport = StoreTransport(
@@ -199,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             resume=args.resume,
             stop=stop,
             crash=_hard_exit,
+            peer_tokenizers=fingerprints,
         )
     except USER_ERRORS as e:
         error_file.parent.mkdir(parents=True, exist_ok=True)

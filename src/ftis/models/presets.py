@@ -43,13 +43,14 @@ PRESETS: dict[str, Preset] = {
     "llama-xs-deep": Preset("llama", layers=4, hidden=64, heads=4, kv_heads=2, intermediate=192),
     "qwen2-s": Preset("qwen2", layers=3, hidden=96, heads=4, kv_heads=2, intermediate=256),
     "qwen2-m": Preset("qwen2", layers=4, hidden=128, heads=4, kv_heads=2, intermediate=384),
-    # Byte-level BPE (ftis.models.bpe, 384 tokens): the shapes of qwen2-s and llama-s on the
-    # second embedded tokenizer, to pair with a character-tokenizer preset (issue 23).
+    # Byte-level BPE (ftis.models.bpe, 384 tokens): the shapes of qwen2-s and llama-m on the
+    # second embedded tokenizer, to pair with a character-tokenizer preset (issue 23); llama-bpe
+    # differs from llama-m in its tokenizer only (and so in its embedding rows).
     "qwen2-bpe": Preset(
         "qwen2", layers=3, hidden=96, heads=4, kv_heads=2, intermediate=256, tokenizer="bpe"
     ),
     "llama-bpe": Preset(
-        "llama", layers=3, hidden=96, heads=4, kv_heads=2, intermediate=256, tokenizer="bpe"
+        "llama", layers=4, hidden=128, heads=4, kv_heads=4, intermediate=384, tokenizer="bpe"
     ),
     # Realistic-scale presets for the benchmarks (bench/scale.py): 23M / 25M parameters, nearly
     # all in the transformer body (the character vocabulary makes the LM head negligible), so

@@ -28,6 +28,7 @@ from ftis.exchange.codec import RolloutCodec, RolloutExchange, to_device
 from ftis.exchange.group import BRIDGE_BLOCKERS, GroupMismatchError
 from ftis.exchange.wire import TEXT_BYTES_PER_TOKEN
 from ftis.models.loading import load_tokenizer, tokenizer_fingerprint
+from ftis.models.presets import PRESETS
 from ftis.rollout.types import RolloutBatch
 from ftis.train import scoring
 from ftis.train.evaluate import evaluate
@@ -318,16 +319,31 @@ class FTISAlgorithm:
 
 def peer_paths(ctx: NodeContext) -> list[str]:
     """Per rank: "self", "exact" (one tokenizer: ids and per-token log-probs) or "bridged"
-    (another tokenizer: text and sequence-level weights, docs/math.md §15). Every node builds
-    the same table from the run config (each node's tokenizer is loaded here: presets and local
-    paths). Raises GroupMismatchError when a pair on different tokenizers cannot be bridged
-    (the launcher's handshake says the same before any process gets here)."""
+    (another tokenizer: text and sequence-level weights, docs/math.md §15), from the
+    fingerprints the launcher's handshake gathered (which has already refused a pair that
+    cannot be bridged). Without a handshake (in-process runs) every node builds the same table
+    from the run config, loading each peer's tokenizer (presets, local paths; a peer with this
+    node's own preset tokenizer or path is not loaded), and raises GroupMismatchError for a pair
+    that cannot be bridged."""
     world = ctx.transport.world_size
     if world == 1:
         return ["self"]
+    if ctx.peer_tokenizers is not None:
+        prints = ctx.peer_tokenizers
+        return [
+            "self" if j == ctx.rank else "exact" if p == prints[ctx.rank] else "bridged"
+            for j, p in enumerate(prints)
+        ]
     nodes = ctx.cfg.nodes[:world]
+    me = nodes[ctx.rank].model
     mine = ctx.node.tokenizer
-    toks = [mine if j == ctx.rank else load_tokenizer(n.model) for j, n in enumerate(nodes)]
+
+    def same_source(m) -> bool:
+        if m.preset is not None and me.preset is not None:
+            return PRESETS[m.preset].tokenizer == PRESETS[me.preset].tokenizer
+        return m.path is not None and m.path == me.path
+
+    toks = [mine if same_source(n.model) else load_tokenizer(n.model) for n in nodes]
     prints = [tokenizer_fingerprint(t) for t in toks]
     paths = [
         "self" if j == ctx.rank else "exact" if p == prints[ctx.rank] else "bridged"
