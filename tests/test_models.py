@@ -19,7 +19,7 @@ from ftis.models.logprobs import (
     gather_logprobs,
     shared_prompt_completion_logprobs,
 )
-from ftis.models.presets import PRESETS
+from ftis.models.presets import PRESETS, preset_tokenizer
 from ftis.models.tokenizer import char_tokenizer
 
 
@@ -51,7 +51,7 @@ def test_special_tokens_are_skipped_when_decoding():
 def test_presets_build_and_grow(name):
     model = build_model(ModelConfig(preset=name))
     out = model(input_ids=torch.tensor([[1, 5, 6]]))
-    assert out.logits.shape == (1, 3, len(char_tokenizer()))
+    assert out.logits.shape == (1, 3, len(preset_tokenizer(name)))
 
 
 def test_preset_sizes_are_ordered():

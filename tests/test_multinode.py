@@ -85,7 +85,9 @@ def test_three_nodes_with_lora_run_to_the_end(tmp_path):
     assert step1["q"]["exchange/sequences_received"] == 3 * (2 + 1)
 
 
-def test_peers_with_different_tokenizers_are_refused(tmp_path):
+def test_peers_with_different_tokenizers_that_cannot_be_bridged_are_refused(tmp_path):
+    # another tokenizer takes the bridged path (docs/math.md §16), which a loss that needs the
+    # sender's per-token probabilities (ReCo) cannot take: refused, naming the node and why
     path = tmp_path / "other-model"
     build_model(ModelConfig(preset="llama-xs")).save_pretrained(path)
     tok = char_tokenizer()
@@ -93,10 +95,30 @@ def test_peers_with_different_tokenizers_are_refused(tmp_path):
     tok.save_pretrained(path)
     data = tiny_run_config(steps=1)
     data["nodes"] = _nodes(("a", {"preset": "llama-xs"}))
-    data["nodes"].append({"name": "b", "model": {"path": str(path)}})
+    data["nodes"].append({"name": "b", "model": {"path": str(path)}, "loss": {"method": "f-reco"}})
     res, _ = _run(tmp_path, data)
     assert res.exit_code == 2
-    assert "share one tokenizer" in res.output and "Traceback" not in res.output
+    assert "different tokenizers" in res.output and "Traceback" not in res.output
+    assert "node b: its loss method has no bridged form" in res.output
+
+
+def test_peers_with_different_tokenizers_take_the_bridged_path(tmp_path):
+    """A character-tokenizer Llama and a BPE Qwen2 (issue 23): every received sample is
+    re-tokenized, rows count them, and both nodes train to the end."""
+    data = tiny_run_config(steps=2)
+    data["nodes"] = _nodes(("a", {"preset": "llama-xs"}), ("b", {"preset": "qwen2-bpe"}))
+    res, out = _run(tmp_path, data)
+    assert res.exit_code == 0, res.output
+    rows = _rows(out)
+    for node in ("a", "b"):
+        trained = [r for r in rows if r["node"] == node and r["step"] > 0]
+        assert [r["step"] for r in trained] == [1, 2]
+        # vertical sharing: 2 of the 4 prompts are the peer's, G = 4 each, all bridged
+        assert all(r["bridge/samples"] + r["bridge/rejected"] == 8 for r in trained)
+        assert all(r["exchange/rejected"] == 0 for r in trained)
+        assert all(r["bridge/mean_weight"] >= 0 for r in trained)
+    log_a = (out / "logs" / "a.log").read_text()
+    assert "a <-> b: bridged path" in log_a
 
 
 def test_identical_models_with_vertical_sharing_equal_one_node_sampling_everything(tmp_path):
@@ -275,8 +297,10 @@ def test_group_checks_name_what_differs():
     assert check([f"t:{d}:1", f"t:{d}:5"]) == [1, 5]
     with pytest.raises(GroupMismatchError, match="different shared settings"):
         check([f"t:{d}:1", "t:other:1"])
-    with pytest.raises(GroupMismatchError, match="b use tokenizer u"):
-        check([f"t:{d}:1", f"u:{d}:1"])
+    # different tokenizers: bridged when both can (docs/math.md §16), else refused naming who
+    assert check([f"t:{d}:1", f"u:{d}:1"]) == [1, 1]
+    with pytest.raises(GroupMismatchError, match="b use tokenizer u.*node b: its algorithm"):
+        check([f"t:{d}:1", f"u!algorithm:{d}:1"])
     with pytest.raises(GroupMismatchError, match="different version of ftis"):
         check([f"t:{d}:1", "garbage"])
     # the algorithm is a shared setting too

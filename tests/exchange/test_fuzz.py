@@ -280,3 +280,44 @@ def test_every_prefix_of_a_valid_zlib_payload_is_rejected() -> None:
     raw = bytearray(zlib.decompress(body[head:]))
     raw[-4:] = struct.pack("<f", 0.5)
     assert decode_or_reject(_seal(body[:head] + zlib.compress(bytes(raw)))) is None
+
+
+@st.composite
+def text_payloads(draw) -> bytes:
+    """A valid payload with a text section (the bridged path): any Unicode text per sequence,
+    each sequence's tokens all spelling it (character ends = its length)."""
+    batch = draw(batches())
+    n, t = batch.num_sequences, batch.completion_ids.shape[1]
+    texts = [draw(st.text(max_size=6)) for _ in range(n)]
+    from ftis.rollout.types import CompletionText
+
+    ends = torch.tensor([[len(s)] * t for s in texts], dtype=torch.int64).reshape(n, t)
+    batch.text = CompletionText(
+        texts=texts,
+        finished=torch.zeros(n, dtype=torch.bool),
+        covered=batch.lengths.clone(),
+        char_ends=ends,
+    )
+    return encode_rollouts(batch, vocab_size=VOCAB, compress=draw(st.booleans()))
+
+
+def test_text_sections_survive_mutation() -> None:
+    count = 0
+
+    @settings(FUZZ, max_examples=200)
+    @given(text_payloads(), st.lists(st.integers(0, 2**31), min_size=8, max_size=8))
+    def run(data: bytes, positions: list[int]) -> None:
+        nonlocal count
+        out = decode_or_reject(data)
+        assert out is not None and out.text is not None
+        assert all(len(s.encode()) <= 8 * MAX_TOKENS for s in out.text.texts)
+        body = data[:-4]
+        for p in positions:
+            b = bytearray(body)
+            b[p % len(body)] ^= 1 << (p % 8)
+            decode_or_reject(_seal(bytes(b)))
+            decode_or_reject(_seal(body[: p % len(body)]))
+            count += 2
+
+    run()
+    assert count >= 3000

@@ -38,6 +38,9 @@ class NodeContext:
     first_step: the first step this process runs (1, or one past the resumed checkpoint).
     run_dir: the run directory, for an algorithm's own artifacts under `nodes/<node name>/`
         (None when the caller gives none, e.g. in unit tests).
+    peer_tokenizers: every rank's tokenizer fingerprint as the group-forming handshake
+        gathered it ("" for a rank without a model), or None when no handshake ran (the
+        algorithm then works them out from the config).
     """
 
     cfg: RunConfig
@@ -48,6 +51,7 @@ class NodeContext:
     timer: PhaseTimer
     first_step: int
     run_dir: Path | None = None
+    peer_tokenizers: list[str] | None = None
 
 
 @dataclass

@@ -21,6 +21,7 @@ import torch
 from ftis.exchange.transport import Transport
 from ftis.exchange.wire import (
     DEFAULT_LOGPROB_FORMAT,
+    MAX_VOCAB,
     PayloadError,
     decode_rollouts,
     describe_logprob_format,
@@ -55,6 +56,9 @@ class RolloutCodec:
             `ftis.exchange.wire.encode_rollouts`. Peers may differ: each payload says its own.
         max_sequences: the most sequences accepted from one peer.
         compress: zlib the payload sections when that shrinks them.
+        bridged_peers: ranks on another tokenizer (docs/math.md §16): their payloads must carry
+            the text section, and their ids are checked against the vocabulary the payload
+            declares (they are the sender's ids, which this node never uses), not this node's.
     """
 
     def __init__(
@@ -66,6 +70,7 @@ class RolloutCodec:
         logprob_format: str = DEFAULT_LOGPROB_FORMAT,
         max_sequences: int = 8192,
         compress: bool = False,
+        bridged_peers: frozenset[int] = frozenset(),
     ) -> None:
         self.vocab_size = vocab_size
         self.max_tokens = max_tokens
@@ -73,8 +78,13 @@ class RolloutCodec:
         self.logprob_format = logprob_format
         self.max_sequences = max_sequences
         self.compress = compress
+        self.bridged_peers = frozenset(bridged_peers)
         self.max_payload = max_payload_size(
-            max_sequences=max_sequences, max_tokens=max_tokens, vocab_size=vocab_size
+            max_sequences=max_sequences,
+            max_tokens=max_tokens,
+            # a bridged peer's ids are its own: bound them by the widest id the format allows
+            vocab_size=MAX_VOCAB if self.bridged_peers else vocab_size,
+            text=bool(self.bridged_peers),
         )
 
     def describe(self) -> str:
@@ -93,14 +103,20 @@ class RolloutCodec:
         """`peer`'s batch; PayloadError on anything malformed, oversized or not from `peer`."""
         if len(data) > self.max_payload:
             raise PayloadError(f"{len(data)} bytes exceeds the limit of {self.max_payload}")
-        return decode_rollouts(
+        bridged = peer in self.bridged_peers
+        batch = decode_rollouts(
             data,
-            vocab_size=self.vocab_size,
+            vocab_size=MAX_VOCAB if bridged else self.vocab_size,
             max_tokens=self.max_tokens,
             max_sequences=self.max_sequences,
             expected_generator=peer,
             pad_id=self.pad_id,
         )
+        if bridged and batch.text is None:
+            raise PayloadError(
+                f"rank {peer} is on another tokenizer but its payload carries no text section"
+            )
+        return batch
 
 
 def to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
@@ -113,6 +129,14 @@ def to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
         completion_ids=batch.completion_ids.to(device),
         lengths=batch.lengths.to(device),
         sampler_logprobs=batch.sampler_logprobs.to(device),
+        text=batch.text,  # read on the CPU by the bridge (ftis.algos.ftis.bridge)
+        bridged=None if batch.bridged is None else batch.bridged.to(device),
+        bridge_sampler_logprob=None
+        if batch.bridge_sampler_logprob is None
+        else batch.bridge_sampler_logprob.to(device),
+        bridge_sampler_length=None
+        if batch.bridge_sampler_length is None
+        else batch.bridge_sampler_length.to(device),
     )
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ftis.rollout.types import RolloutBatch
+from ftis.rollout.types import CompletionText, RolloutBatch
 
 __all__ = [
     "DEFAULT_LOGPROB_FORMAT",
@@ -45,6 +45,8 @@ __all__ = [
     "LOGPROB_CLAMP",
     "LOGPROB_POSITIVE_TOLERANCE",
     "MAGIC",
+    "MAX_VOCAB",
+    "TEXT_BYTES_PER_TOKEN",
     "PayloadError",
     "bytes_per_token",
     "decode_rollouts",
@@ -57,11 +59,18 @@ __all__ = [
 
 MAGIC = b"FTRB"  # FTis Rollout Batch
 FORMAT_VERSION = 2
+# Version 3 = version 2 plus the optional text section (FLAG_TEXT) for peers on another
+# tokenizer; a payload without text is still written as version 2, byte for byte as before.
+TEXT_FORMAT_VERSION = 3
 # Version 1 is version 2 without log-prob kind 2 (its f32 is kind 0, 4 bytes per log-prob):
 # payloads of older senders still decode.
-READ_VERSIONS = (1, 2)
+READ_VERSIONS = (1, 2, 3)
 FLAG_ZLIB = 0x01
-_KNOWN_FLAGS = FLAG_ZLIB
+FLAG_TEXT = 0x02
+_KNOWN_FLAGS = FLAG_ZLIB | FLAG_TEXT
+# The most UTF-8 bytes of text a sequence may carry, per token of max_tokens: a receiver's
+# bound on what a peer's text can cost it (the embedded BPE's longest token is 3 bytes).
+TEXT_BYTES_PER_TOKEN = 8
 _LP_F32 = 0  # plain little-endian f32 (what version 1 senders wrote for "f32")
 _LP_FIXED = 1
 _LP_F32_PACKED = 2  # exact f32 as (exponent class, 23-bit mantissa), version >= 2
@@ -77,6 +86,7 @@ _Q_RANGE_BITS = 5  # LOGPROB_CLAMP == 2**_Q_RANGE_BITS
 LOGPROB_POSITIVE_TOLERANCE = 1e-4
 DEFAULT_LOGPROB_FORMAT = "f32"
 _MAX_VOCAB = 1 << 32
+MAX_VOCAB = _MAX_VOCAB  # the widest vocabulary a payload may declare
 _MAX_INDEX = (1 << 63) - 1
 _HEADER_MIN = len(MAGIC) + 4 + 3 + 4  # fixed fields + three 1-byte varints + crc
 
@@ -336,25 +346,28 @@ def encode_rollouts(
         lp_bytes = _pack(codes.astype(np.uint64), codec.bits)
 
     len_bits = int(lengths.max() - 1).bit_length() if n else 0
-    sections = b"".join(
-        [
-            bytes([len_bits]),
-            _pack((lengths - 1).astype(np.uint64), len_bits),
-            _put_column(prompt),
-            _put_column(gen),
-            _pack(ids.astype(np.uint64), _id_bits(vocab_size)),
-            lp_bytes,
-        ]
-    )
+    parts = [
+        bytes([len_bits]),
+        _pack((lengths - 1).astype(np.uint64), len_bits),
+        _put_column(prompt),
+        _put_column(gen),
+        _pack(ids.astype(np.uint64), _id_bits(vocab_size)),
+        lp_bytes,
+    ]
     flags = 0
+    if batch.text is not None:
+        parts.append(_text_section(batch, lengths, mask))
+        flags |= FLAG_TEXT
+    sections = b"".join(parts)
     if compress:
         packed = zlib.compress(sections, 6)
         if len(packed) < len(sections):
-            sections, flags = packed, FLAG_ZLIB
+            sections, flags = packed, flags | FLAG_ZLIB
+    version = TEXT_FORMAT_VERSION if flags & FLAG_TEXT else FORMAT_VERSION
     body = b"".join(
         [
             MAGIC,
-            bytes([FORMAT_VERSION, flags, codec.kind, lp_bits]),
+            bytes([version, flags, codec.kind, lp_bits]),
             _varint(vocab_size),
             _varint(n),
             _varint(int(ids.size)),
@@ -362,6 +375,44 @@ def encode_rollouts(
         ]
     )
     return _seal(body)
+
+
+def _width(values: np.ndarray) -> int:
+    return int(values.max()).bit_length() if values.size else 0
+
+
+def _text_section(batch: RolloutBatch, lengths: np.ndarray, mask: torch.Tensor) -> bytes:
+    """The text section (docs/wire-format.md "Text section"): finished bits, covered counts,
+    text byte lengths, per-token character ends, then the UTF-8 text. Raises ValueError on text
+    no receiver would accept."""
+    text = batch.text
+    assert text is not None
+    n = lengths.shape[0]
+    if len(text.texts) != n:
+        raise ValueError(f"text has {len(text.texts)} strings for {n} sequences")
+    blobs = [t.encode("utf-8") for t in text.texts]  # a lone surrogate raises here
+    finished = text.finished.detach().cpu().to(torch.int64).numpy().astype(np.uint64)
+    covered = text.covered.detach().cpu().to(torch.int64).numpy()
+    ends = text.char_ends.detach().cpu()
+    if ends.shape[1] < mask.shape[1]:
+        ends = torch.nn.functional.pad(ends, (0, mask.shape[1] - ends.shape[1]))
+    ends = ends[:, : mask.shape[1]][mask].to(torch.int64).numpy()
+    if (covered < 0).any() or (ends < 0).any():
+        raise ValueError("covered counts and character ends must be >= 0")
+    sizes = np.array([len(b) for b in blobs], dtype=np.int64)
+    cov_bits, size_bits, end_bits = _width(covered), _width(sizes), _width(ends)
+    return b"".join(
+        [
+            _pack(finished, 1),
+            bytes([cov_bits]),
+            _pack(covered.astype(np.uint64), cov_bits),
+            bytes([size_bits]),
+            _pack(sizes.astype(np.uint64), size_bits),
+            bytes([end_bits]),
+            _pack(ends.astype(np.uint64), end_bits),
+            *blobs,
+        ]
+    )
 
 
 def _seal(body: bytes) -> bytes:
@@ -425,19 +476,35 @@ def _get_column(r: _Reader, n: int, what: str) -> np.ndarray:
     return np.repeat(offsets.astype(np.int64) + base, counts.astype(np.int64))
 
 
-def _sections_bound(n: int, total: int, id_bits: int, lp_bits: int) -> int:
-    """Largest possible size of the sections for these header values (bounds decompression)."""
+def _sections_bound(
+    n: int, total: int, id_bits: int, lp_bits: int, text_bytes: int | None = None
+) -> int:
+    """Largest possible size of the sections for these header values (bounds decompression);
+    `text_bytes`: the most text bytes per sequence when the payload has a text section."""
     column = 10 + 10 + 2 + _packed_size(n, 63) + _packed_size(n, 32)
     # + 1 for the f32 section's e_top byte, + 1 of slack
-    return 1 + _packed_size(n, 32) + 2 * column + _packed_size(total, id_bits + lp_bits) + 2
+    bound = 1 + _packed_size(n, 32) + 2 * column + _packed_size(total, id_bits + lp_bits) + 2
+    if text_bytes is not None:
+        bound += 3 + _packed_size(n, 1) + 2 * _packed_size(n, 64) + _packed_size(total, 64)
+        bound += n * text_bytes
+    return bound
 
 
-def max_payload_size(*, max_sequences: int, max_tokens: int, vocab_size: int) -> int:
+def max_payload_size(
+    *, max_sequences: int, max_tokens: int, vocab_size: int, text: bool = False
+) -> int:
     """Upper bound on the size of any payload `decode_rollouts` accepts with these limits (a
-    transport refuses to buffer more than this from one peer)."""
+    transport refuses to buffer more than this from one peer); `text`: payloads may carry the
+    text section (at most TEXT_BYTES_PER_TOKEN * max_tokens bytes of text per sequence)."""
     total = max_sequences * max_tokens
     header = len(MAGIC) + 4 + 3 * 10 + 4
-    return header + _sections_bound(max_sequences, total, _id_bits(vocab_size), 32)
+    return header + _sections_bound(
+        max_sequences,
+        total,
+        _id_bits(vocab_size),
+        32,
+        TEXT_BYTES_PER_TOKEN * max_tokens if text else None,
+    )
 
 
 def _locate(flat_index: int, lengths: np.ndarray) -> str:
@@ -475,6 +542,12 @@ def _decode(
     flags = r.u8("flags")
     if flags & ~_KNOWN_FLAGS:
         raise PayloadError(f"unknown flags 0x{flags:02x} (known: 0x{_KNOWN_FLAGS:02x})")
+    if bool(flags & FLAG_TEXT) != (version == TEXT_FORMAT_VERSION):
+        raise PayloadError(
+            f"version {version} with flags 0x{flags:02x}: the text flag (0x{FLAG_TEXT:02x}) is "
+            f"set exactly in version {TEXT_FORMAT_VERSION} payloads"
+        )
+    text_limit = TEXT_BYTES_PER_TOKEN * max_tokens if flags & FLAG_TEXT else None
     lp_kind, lp_bits = r.u8("lp_kind"), r.u8("lp_bits")
     if lp_kind == _LP_F32 and lp_bits == 32:
         codec = _LpCodec(_LP_F32, 32)
@@ -494,7 +567,7 @@ def _decode(
     total = _check_range(r.varint("total_tokens"), n, n * max_tokens, "total_tokens")
 
     if flags & FLAG_ZLIB:
-        bound = _sections_bound(n, total, id_bits, codec.bits)
+        bound = _sections_bound(n, total, id_bits, codec.bits, text_limit)
         d = zlib.decompressobj()
         sections = d.decompress(r.take(r.left, "compressed sections"), bound + 1)
         if len(sections) > bound or d.unconsumed_tail or not d.eof or d.unused_data:
@@ -548,6 +621,9 @@ def _decode(
         )
         # 0.0 - x, not -x: code 0 decodes to +0.0 (a prob-1 token stays exactly 0).
         lp = (0.0 - codes.astype(np.float64) * codec.step).astype(np.float32)
+    text = None
+    if text_limit is not None:
+        text = _text_decode(r, lengths, total, text_limit)
     if r.left:
         raise PayloadError(f"{r.left} trailing bytes after the log-probs")
 
@@ -564,6 +640,67 @@ def _decode(
         completion_ids=completion_ids,
         lengths=lengths_t,
         sampler_logprobs=sampler_logprobs,
+        text=text,
+    )
+
+
+def _text_decode(r: _Reader, lengths: np.ndarray, total: int, limit: int) -> CompletionText:
+    """Read and validate the text section: every text within `limit` bytes and valid UTF-8, and
+    the character ends, covered counts and finished bits consistent with it and the lengths."""
+    n = lengths.shape[0]
+    finished = _unpack(r.take(_packed_size(n, 1), "finished bits"), n, 1, "finished bits")
+    cov_bits = _check_range(r.u8("covered_bits"), 0, 32, "covered_bits")
+    covered = _unpack(r.take(_packed_size(n, cov_bits), "covered"), n, cov_bits, "covered")
+    size_bits = _check_range(r.u8("text_size_bits"), 0, 32, "text_size_bits")
+    sizes = _unpack(r.take(_packed_size(n, size_bits), "text sizes"), n, size_bits, "text sizes")
+    end_bits = _check_range(r.u8("char_end_bits"), 0, 32, "char_end_bits")
+    ends = _unpack(r.take(_packed_size(total, end_bits), "char ends"), total, end_bits, "ends")
+    finished, covered = finished.astype(bool), covered.astype(np.int64)
+    sizes, ends = sizes.astype(np.int64), ends.astype(np.int64)
+    if n and sizes.max() > limit:
+        i = int(np.argmax(sizes))
+        raise PayloadError(
+            f"text of sequence {i} is {int(sizes[i])} bytes, over the limit of {limit} "
+            f"({TEXT_BYTES_PER_TOKEN} per token of max_tokens)"
+        )
+    if int(sizes.sum()) != r.left:
+        raise PayloadError(f"text sizes sum to {int(sizes.sum())} bytes, {r.left} are left")
+    texts: list[str] = []
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    for i in range(n):
+        blob = r.take(int(sizes[i]), f"text of sequence {i}")
+        try:
+            t = blob.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise PayloadError(f"text of sequence {i} is not valid UTF-8 ({e.reason})") from None
+        texts.append(t)
+        length, cov, chars = int(lengths[i]), int(covered[i]), len(t)
+        row = ends[starts[i] : starts[i + 1]]
+        if finished[i] and cov != length - 1:
+            raise PayloadError(
+                f"sequence {i} is finished (last token EOS) but covers {cov} of {length} tokens"
+            )
+        if cov > length:
+            raise PayloadError(f"sequence {i} covers {cov} tokens, more than its {length}")
+        if (np.diff(row) < 0).any() or (length and row.max() > chars):
+            raise PayloadError(
+                f"character ends of sequence {i} must be non-decreasing and <= its {chars} "
+                "characters"
+            )
+        spelled = int(row[cov - 1]) if cov else 0
+        if spelled != chars or (row[cov:] != chars).any():
+            raise PayloadError(
+                f"sequence {i}: its first {cov} tokens must spell all {chars} characters and "
+                "later tokens none"
+            )
+    width = int(lengths.max()) if n else 0
+    char_ends = np.zeros((n, width), dtype=np.int64)
+    char_ends[np.arange(width)[None, :] < lengths[:, None]] = ends
+    return CompletionText(
+        texts=texts,
+        finished=torch.from_numpy(finished),
+        covered=torch.from_numpy(covered),
+        char_ends=torch.from_numpy(char_ends),
     )
 
 

@@ -5,8 +5,9 @@
              --master-addr HOST --master-port 29500 -m ftis.launch.worker CONFIG --out RUN_DIR
 
 RANK picks the node (`nodes[RANK]` in the config). Before any warm start, the group checks that
-every peer has the same tokenizer and the same shared settings (task, train, sharing, algorithm),
-since token ids and prompt indices are exchanged as they are. Samples travel through a key-value store
+every peer has the same shared settings (task, train, sharing, algorithm), since prompt indices
+are exchanged as they are, and that peers on different tokenizers can take the bridged path
+(docs/math.md §16; each pair's path is logged). Samples travel through a key-value store
 (`ftis.exchange.store`), not a collective, so a node that dies only costs its peers its samples.
 
 Exit codes: 0 finished, 130 stopped by SIGINT/SIGTERM after a checkpoint, 2 a user error (the
@@ -28,6 +29,7 @@ import torch
 
 from ftis.algos import get_algorithm
 from ftis.algos.base import ServiceContext
+from ftis.algos.ftis.bridge import bridge_blocker
 from ftis.config import ConfigError, RunConfig, load_config
 from ftis.exchange.group import GroupMismatchError, check_group
 from ftis.exchange.store import Membership, PeerGroupError, StoreTransport, connect_store
@@ -168,16 +170,18 @@ def main(argv: list[str] | None = None) -> int:
             done = step or 0
         store, rank, world = connect_store(cfg.exchange.timeout_s)
         membership = Membership(store, rank, world, timeout_s=cfg.exchange.timeout_s)
+        tok = load_tokenizer(cfg.nodes[rank].model) if is_node else None
+        fingerprints: list[str] = []
         first_steps = check_group(
             membership,
             names=names,
             # a service rank has no model: it takes part with an empty fingerprint
-            fingerprint=tokenizer_fingerprint(load_tokenizer(cfg.nodes[rank].model))
-            if is_node
-            else "",
+            fingerprint=tokenizer_fingerprint(tok) if tok is not None else "",
             settings_digest=shared_settings_digest(cfg),
             first_step=done + 1,
             timeout_s=max(cfg.exchange.timeout_s, 120.0),
+            bridge_blocker=bridge_blocker(cfg, rank, tok) if tok is not None else None,
+            tokenizers_out=fingerprints,
         )
         stop = StopFlag()
         transport = StoreTransport(
@@ -197,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             resume=args.resume,
             stop=stop,
             crash=_hard_exit,
+            peer_tokenizers=fingerprints,
         )
     except USER_ERRORS as e:
         error_file.parent.mkdir(parents=True, exist_ok=True)

@@ -18,8 +18,7 @@ from transformers import (
 )
 
 from ftis.models.config import LoraConfig, ModelConfig
-from ftis.models.presets import preset_config
-from ftis.models.tokenizer import char_tokenizer
+from ftis.models.presets import preset_config, preset_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +31,7 @@ class ModelLoadError(ValueError):
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     if cfg.preset is not None:
-        return char_tokenizer()
+        return preset_tokenizer(cfg.preset)
     try:
         tok = AutoTokenizer.from_pretrained(cfg.path)
     except (OSError, ValueError) as e:

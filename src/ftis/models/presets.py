@@ -1,7 +1,10 @@
 """Named tiny presets of real transformers architectures (Llama, Qwen2), built in-process.
 
 Sizes are chosen for a 2-core CPU: the embedded task trains them in seconds to minutes.
-Every preset shares the character tokenizer (ftis.models.tokenizer), so any two can collaborate.
+Most presets use the character tokenizer (ftis.models.tokenizer); the ``*-bpe`` presets use the
+byte-level BPE trained on the embedded tasks (ftis.models.bpe). Peers on one tokenizer exchange
+token ids as they are; a pair on different tokenizers takes the sample exchange's bridged path
+(docs/math.md §16).
 
 The table is plain data, importable without transformers (run configs validate against it);
 only `preset_config` imports transformers.
@@ -25,7 +28,10 @@ class Preset:
     kv_heads: int
     intermediate: int
     max_positions: int = 512
+    tokenizer: str = "char"  # "char" (ftis.models.tokenizer) | "bpe" (ftis.models.bpe)
 
+
+TOKENIZERS: tuple[str, ...] = ("char", "bpe")
 
 PRESETS: dict[str, Preset] = {
     "llama-xs": Preset("llama", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=192),
@@ -37,6 +43,15 @@ PRESETS: dict[str, Preset] = {
     "llama-xs-deep": Preset("llama", layers=4, hidden=64, heads=4, kv_heads=2, intermediate=192),
     "qwen2-s": Preset("qwen2", layers=3, hidden=96, heads=4, kv_heads=2, intermediate=256),
     "qwen2-m": Preset("qwen2", layers=4, hidden=128, heads=4, kv_heads=2, intermediate=384),
+    # Byte-level BPE (ftis.models.bpe, 384 tokens): the shapes of qwen2-s and llama-m on the
+    # second embedded tokenizer, to pair with a character-tokenizer preset (issue 23); llama-bpe
+    # differs from llama-m in its tokenizer only (and so in its embedding rows).
+    "qwen2-bpe": Preset(
+        "qwen2", layers=3, hidden=96, heads=4, kv_heads=2, intermediate=256, tokenizer="bpe"
+    ),
+    "llama-bpe": Preset(
+        "llama", layers=4, hidden=128, heads=4, kv_heads=4, intermediate=384, tokenizer="bpe"
+    ),
     # Realistic-scale presets for the benchmarks (bench/scale.py): 23M / 25M parameters, nearly
     # all in the transformer body (the character vocabulary makes the LM head negligible), so
     # compute, not per-call overhead, sets the pace. Too slow to warm-start on 2 cores: random init.
@@ -49,16 +64,27 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+def preset_tokenizer(name: str):
+    """The embedded tokenizer of a named preset (a PreTrainedTokenizerFast)."""
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+    if PRESETS[name].tokenizer == "bpe":
+        from ftis.models.bpe import bpe_tokenizer
+
+        return bpe_tokenizer()
+    from ftis.models.tokenizer import char_tokenizer
+
+    return char_tokenizer()
+
+
 def preset_config(name: str) -> PretrainedConfig:
-    """The transformers config of a named preset, with the character tokenizer's special ids."""
+    """The transformers config of a named preset, with its tokenizer's size and special ids."""
     if name not in PRESETS:
         raise KeyError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
     from transformers import LlamaConfig, Qwen2Config
 
-    from ftis.models.tokenizer import char_tokenizer
-
     p = PRESETS[name]
-    tok = char_tokenizer()
+    tok = preset_tokenizer(name)
     common = dict(
         vocab_size=len(tok),
         hidden_size=p.hidden,

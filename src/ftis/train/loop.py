@@ -112,6 +112,7 @@ def train_node(
     resume: bool = False,
     stop: StopFlag | None = None,
     crash: Callable[[int], None] | None = None,
+    peer_tokenizers: list[str] | None = None,
 ) -> NodeResult:
     """Run node `rank` of `cfg` to the end (or until `stop`), writing rows and checkpoints
     under `run_dir`.
@@ -122,6 +123,8 @@ def train_node(
         step.
     crash: called with the step number when `testing.crash_at_step` is reached (default: raise
         SimulatedCrash); worker processes pass one that exits hard.
+    peer_tokenizers: every rank's tokenizer fingerprint from the group-forming handshake
+        (`NodeContext.peer_tokenizers`); None: none ran.
 
     Raises TransportLost (after checkpointing) when the transport itself is gone.
     """
@@ -165,6 +168,7 @@ def train_node(
             timer=timer,
             first_step=start + 1,
             run_dir=run_dir,
+            peer_tokenizers=peer_tokenizers,
         )
     )
     if found is not None:

@@ -16,6 +16,7 @@ import math
 import torch
 
 from ftis.config import LossConfig, TrainConfig
+from ftis.core.bridge import bridged_loss
 from ftis.core.hacpo import peer_clip_lower
 from ftis.core.kl import kl_penalty
 from ftis.core.losses import drop_mode_grad_scale, policy_loss, resolve_method
@@ -81,6 +82,13 @@ def update(
     without grad per micro-batch at the same temperature, averaged like the loss (docs/math.md
     §14); every sequence then runs (zero-advantage ones have a KL gradient) and the metrics gain
     `kl` (before beta; `loss` includes it).
+
+    Bridged sequences (`batch.bridged`: a peer's on another tokenizer, docs/math.md §16) take
+    the sequence-level terms of `ftis.core.bridge.bridged_loss` with the same global N; the
+    others `policy_loss` as always (its metrics then describe them alone). The metrics gain
+    `bridge_sequences`, `bridge_weight_mean`, `bridge_filtered` and `bridge_filter_stat_mean`
+    over the bridged sequences that ran. A batch without bridged sequences runs exactly as
+    before.
     """
     tok = node.tokenizer
     n_total = batch.num_sequences
@@ -99,6 +107,10 @@ def update(
             own = None if own is None else own[active]
             peer_scale = None if peer_scale is None else peer_scale[active]
     n = batch.num_sequences
+    bridged_all, bridge_total, bridge_length = batch.bridge_columns()
+    n_bridged = int(bridged_all.sum())
+    n_exact = n - n_bridged
+    bridge_sums = {"weight": 0.0, "filtered": 0.0, "stat": 0.0}
     train = task.split("train")
     prompt_cache: dict[int, list[int]] = {}
     for i in batch.prompt_index.tolist():
@@ -137,11 +149,15 @@ def update(
                 temperature=temperature,
             )
         dev = logprobs.device  # the model's: a GPU node trains on the GPU, batches stay on CPU
+        br = bridged_all[sl].to(dev)
+        ex = ~br
+        all_exact = not bool(br.any())
+        sel = slice(None) if all_exact else ex  # the rows policy_loss sees
         loss, metrics = policy_loss(
-            logprobs,
-            batch.sampler_logprobs[sl, :width].to(dev),
-            advantages[sl].to(dev),
-            mask.to(dev),
+            logprobs[sel],
+            batch.sampler_logprobs[sl, :width].to(dev)[sel],
+            advantages[sl].to(dev)[sel],
+            mask.to(dev)[sel],
             method=loss_cfg.method,
             is_cap=loss_cfg.is_cap,
             clip_eps=loss_cfg.clip_eps,
@@ -150,18 +166,49 @@ def update(
             filter_mode=loss_cfg.filter_mode,
             num_sequences=n_total,
             padded_width=width_all,
-            sequence_weights=None if sequence_weights is None else sequence_weights[sl].to(dev),
+            sequence_weights=None
+            if sequence_weights is None
+            else sequence_weights[sl].to(dev)[sel],
             reco_token_ratio=loss_cfg.reco_token_ratio,
             reco_tis=loss_cfg.reco_tis,
             reco_clip=loss_cfg.reco_clip,
-            own=None if own is None else own[sl].to(dev),
+            own=None if own is None else own[sl].to(dev)[sel],
             shaping_gamma=loss_cfg.shaping_gamma,
-            peer_scale=None if peer_scale is None else peer_scale[sl].to(dev),
+            peer_scale=None if peer_scale is None else peer_scale[sl].to(dev)[sel],
             peer_clip_lower=lower,
             hacpo_alpha=loss_cfg.hacpo_alpha,
             gspo_eps_low=loss_cfg.gspo_eps_low,
             gspo_eps_high=loss_cfg.gspo_eps_high,
         )
+        if not all_exact:
+            base, use_filter = resolve_method(loss_cfg.method)
+            out = bridged_loss(
+                logprobs[br],
+                mask.to(dev)[br],
+                advantages[sl].to(dev)[br],
+                sampler_total=bridge_total[sl].to(dev)[br],
+                sampler_length=bridge_length[sl].to(dev)[br],
+                method=base,
+                use_filter=use_filter,
+                is_cap=loss_cfg.is_cap,
+                clip_eps=loss_cfg.clip_eps,
+                filter_threshold=loss_cfg.filter_threshold,
+                shaping_gamma=loss_cfg.shaping_gamma,
+                peer_scale=None if peer_scale is None else peer_scale[sl].to(dev)[br],
+                peer_clip_lower=lower,
+                hacpo_alpha=loss_cfg.hacpo_alpha,
+                gspo_eps=(loss_cfg.gspo_eps_low, loss_cfg.gspo_eps_high),
+            )
+            weights = out.per_sequence
+            if sequence_weights is not None:
+                weights = weights * sequence_weights[sl].to(dev)[br].detach()
+            bridged_part = weights.sum() / float(max(n_total, 1))
+            loss = loss + bridged_part
+            metrics["loss"] = metrics["loss"] + bridged_part.detach()
+            metrics["kept_sequences"] = metrics["kept_sequences"] + (~out.filtered).sum()
+            bridge_sums["weight"] += float(out.weight.sum())
+            bridge_sums["filtered"] += float(out.filtered.sum())
+            bridge_sums["stat"] += float(out.divergence.sum())
         if reco and loss_cfg.reco_token_ratio:
             metrics.update(
                 variance_ratio_summary(
@@ -198,7 +245,9 @@ def update(
                 f"non-finite loss {float(loss.detach())} in micro-batch at {start}"
             )
         loss.backward()
-        weight = (sl.stop - sl.start) / n
+        # policy_loss's means describe the exact rows of the micro-batch
+        exact_rows = (sl.stop - sl.start) if all_exact else int(ex.sum())
+        weight = exact_rows / n_exact if n_exact else 0.0
         for k, v in metrics.items():
             v = float(v)
             if k.endswith("_max"):
@@ -231,7 +280,8 @@ def update(
         if reco and loss_cfg.reco_token_ratio:
             totals.update(variance_ratio_mean=0.0, variance_ratio_max=0.0)
     else:
-        totals["filtered_frac"] = totals.get("filtered_frac", 0.0) * n / n_total
+        filtered_count = totals.get("filtered_frac", 0.0) * n_exact + bridge_sums["filtered"]
+        totals["filtered_frac"] = filtered_count / n_total
         totals["kept_sequences"] = kept_total
         if loss_cfg.filter_mode == "drop":
             scale = drop_mode_grad_scale(n_total, kept_total)
@@ -240,6 +290,11 @@ def update(
                     p.grad.mul_(scale)
             totals["loss"] *= scale
     totals["active_frac"] = n / n_total if n_total else 0.0
+    if n_bridged or batch.bridged is not None:
+        totals["bridge_sequences"] = float(n_bridged)
+        totals["bridge_weight_mean"] = bridge_sums["weight"] / n_bridged if n_bridged else 0.0
+        totals["bridge_filtered"] = bridge_sums["filtered"]
+        totals["bridge_filter_stat_mean"] = bridge_sums["stat"] / n_bridged if n_bridged else 0.0
     if sequence_weights is not None:
         totals["reco_weight_max"] = float(sequence_weights.max()) if n else 0.0
         totals["reco_weight_min"] = float(sequence_weights.min()) if n else 0.0

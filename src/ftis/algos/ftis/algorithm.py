@@ -3,6 +3,7 @@
     sample      this node's share of the step's prompts, G completions each (or G/n: horizontal)
     exchange    every node's rollouts, tokens + sampler log-probs only
     validate    a peer's batch may only answer the prompts it was given, within its share
+    bridge      a peer on another tokenizer sent text: re-tokenize it (docs/math.md §16)
     score       rewards from this node's own verifier
     advantages  per group (= per prompt), before any filtering
     update      receiver log-probs, the node's loss (F-TIS by default), one optimizer step
@@ -21,11 +22,16 @@ import torch
 from ftis.algos.base import NodeContext
 from ftis.algos.ftis import sharing
 from ftis.algos.ftis.adversary import adversarial
+from ftis.algos.ftis.bridge import attach_text, bridge_blocker, retokenize
 from ftis.algos.ftis.defence import Screen, same_model_ranks
 from ftis.algos.ftis.hacpo import Capabilities, joint_advantages
 from ftis.algos.ftis.poison import forge_margin, poison
 from ftis.config import PoisonAttack
-from ftis.exchange.codec import RolloutCodec, RolloutExchange
+from ftis.exchange.codec import RolloutCodec, RolloutExchange, to_device
+from ftis.exchange.group import BRIDGE_BLOCKERS, GroupMismatchError
+from ftis.exchange.wire import TEXT_BYTES_PER_TOKEN
+from ftis.models.loading import load_tokenizer, tokenizer_fingerprint
+from ftis.models.presets import PRESETS
 from ftis.rollout.types import RolloutBatch
 from ftis.train import scoring
 from ftis.train.evaluate import evaluate
@@ -48,6 +54,11 @@ class FTISAlgorithm:
         self.rank = ctx.rank
         self.train_split = ctx.task.split("train")
         self.vocab_size = int(ctx.node.model.get_input_embeddings().num_embeddings)
+        self.paths = peer_paths(ctx)
+        self.bridged_peers = frozenset(j for j, p in enumerate(self.paths) if p == "bridged")
+        # a re-tokenized completion may have more tokens than the sender's (a character
+        # tokenizer spells a BPE token's digits one by one); its text is bounded by the wire
+        self.bridge_max_tokens = TEXT_BYTES_PER_TOKEN * ctx.cfg.train.max_new_tokens + 1
         self.exchange = RolloutExchange(
             ctx.transport,
             RolloutCodec(
@@ -55,6 +66,7 @@ class FTISAlgorithm:
                 max_tokens=ctx.cfg.train.max_new_tokens,
                 pad_id=ctx.node.tokenizer.pad_token_id,
                 logprob_format=ctx.cfg.exchange.logprob_format,
+                bridged_peers=self.bridged_peers,
             ),
             first_round=ctx.first_step,
         )
@@ -126,12 +138,41 @@ class FTISAlgorithm:
             received[self.rank] = own  # a node trains on its own honest samples
         with self.timer("validate"):
             rejected = self._validate(received, indices, step)
+        bridge_metrics = {}
+        if self.bridged_peers:
+            with self.timer("bridge"):
+                bridge_metrics = self._bridge(received, step)
         metrics, batch = self.learn(received, own, step)
         if self.poison is not None:
             metrics["attack/poisoned_sent"] = float(self.poisoned)
         if world > 1:
             metrics.update(self._exchange_metrics(own, batch, rejected))
+        if self.bridged_peers:
+            metrics.update(bridge_metrics)
+            # over the bridged sequences the update ran (non-zero advantage); 0 when none did
+            metrics["bridge/weighted"] = metrics.get("loss/bridge_sequences", 0.0)
+            metrics["bridge/mean_weight"] = metrics.get("loss/bridge_weight_mean", 0.0)
+            metrics["bridge/filtered"] = metrics.get("loss/bridge_filtered", 0.0)
         return metrics
+
+    def _bridge(self, received: list[RolloutBatch | None], step: int) -> dict[str, float]:
+        """Re-tokenize every bridged peer's batch in place (docs/math.md §16); a sequence whose
+        text this node cannot spell, or that re-tokenizes past the limit, is dropped and
+        counted."""
+        samples = dropped = 0
+        for peer in sorted(self.bridged_peers):
+            b = received[peer]
+            if b is None:
+                continue
+            out, reasons = retokenize(b, self.node.tokenizer, max_tokens=self.bridge_max_tokens)
+            for why in reasons:
+                log.warning(
+                    "node %s step %d: dropped rank %d's %s", self.node.name, step, peer, why
+                )
+            received[peer] = to_device(out, b.completion_ids.device)
+            samples += out.num_sequences
+            dropped += len(reasons)
+        return {"bridge/samples": float(samples), "bridge/rejected": float(dropped)}
 
     def learn(
         self,
@@ -244,10 +285,11 @@ class FTISAlgorithm:
 
     def _outgoing(self, own: RolloutBatch, step: int) -> RolloutBatch:
         """What this node sends: its samples, or (testing.adversary) a corrupted or poisoned
-        copy."""
+        copy; with the text section when a peer is on another tokenizer."""
+        out = own
         if self.poison is not None:
             margin = forge_margin(self.node.cfg.loss) if self.poison.logprobs == "forged" else 0.0
-            sent, self.poisoned = poison(
+            out, self.poisoned = poison(
                 own,
                 self.poison,
                 node=self.node,
@@ -256,11 +298,14 @@ class FTISAlgorithm:
                 temperature=self.cfg.train.temperature,
                 margin=margin,
             )
-            return sent
-        if self.adversary is None:
-            return own
-        gen = torch.Generator().manual_seed(adversary_seed(self.cfg.train.seed, step, self.rank))
-        return adversarial(own, self.adversary, vocab_size=self.vocab_size, generator=gen)
+        elif self.adversary is not None:
+            gen = torch.Generator().manual_seed(
+                adversary_seed(self.cfg.train.seed, step, self.rank)
+            )
+            out = adversarial(own, self.adversary, vocab_size=self.vocab_size, generator=gen)
+        if self.bridged_peers:
+            out = attach_text(out, self.node.tokenizer)
+        return out
 
     def _validate(self, received: list[RolloutBatch | None], indices: list[int], step: int) -> int:
         """Drop (set to None) every peer batch that answers prompts it was not given or sends
@@ -330,6 +375,49 @@ class FTISAlgorithm:
         if own.num_tokens:
             out["exchange/bytes_per_token"] = s.bytes_sent / own.num_tokens
         return out
+
+
+def peer_paths(ctx: NodeContext) -> list[str]:
+    """Per rank: "self", "exact" (one tokenizer: ids and per-token log-probs) or "bridged"
+    (another tokenizer: text and sequence-level weights, docs/math.md §16), from the
+    fingerprints the launcher's handshake gathered (which has already refused a pair that
+    cannot be bridged). Without a handshake (in-process runs) every node builds the same table
+    from the run config, loading each peer's tokenizer (presets, local paths; a peer with this
+    node's own preset tokenizer or path is not loaded), and raises GroupMismatchError for a pair
+    that cannot be bridged."""
+    world = ctx.transport.world_size
+    if world == 1:
+        return ["self"]
+    if ctx.peer_tokenizers is not None:
+        prints = ctx.peer_tokenizers
+        return [
+            "self" if j == ctx.rank else "exact" if p == prints[ctx.rank] else "bridged"
+            for j, p in enumerate(prints)
+        ]
+    nodes = ctx.cfg.nodes[:world]
+    me = nodes[ctx.rank].model
+    mine = ctx.node.tokenizer
+
+    def same_source(m) -> bool:
+        if m.preset is not None and me.preset is not None:
+            return PRESETS[m.preset].tokenizer == PRESETS[me.preset].tokenizer
+        return m.path is not None and m.path == me.path
+
+    toks = [mine if same_source(n.model) else load_tokenizer(n.model) for n in nodes]
+    prints = [tokenizer_fingerprint(t) for t in toks]
+    paths = [
+        "self" if j == ctx.rank else "exact" if p == prints[ctx.rank] else "bridged"
+        for j, p in enumerate(prints)
+    ]
+    if "bridged" in paths:
+        for j in [ctx.rank, *(j for j, p in enumerate(paths) if p == "bridged")]:
+            why = bridge_blocker(ctx.cfg, j, toks[j])
+            if why is not None:
+                raise GroupMismatchError(
+                    f"node {nodes[j].name} is on another tokenizer than a peer but cannot take "
+                    f"the bridged path: {BRIDGE_BLOCKERS[why]}"
+                )
+    return paths
 
 
 def _reward_metrics(batch: RolloutBatch, rewards: torch.Tensor, rank: int) -> dict[str, float]:

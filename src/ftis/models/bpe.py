@@ -1,0 +1,103 @@
+"""A byte-level BPE tokenizer trained deterministically on the embedded tasks' own text.
+
+The second embedded tokenizer (issue 23): presets that use it (``*-bpe``) cannot exchange token
+ids with presets on the character tokenizer, so a run that pairs them takes the bridged path
+of the sample exchange (docs/math.md §16). Digits merge ("23", "100" are single tokens), so the
+two tokenizations of an answer really differ.
+
+Determinism: the corpus is a fixed list of strings made by the embedded task generators with
+fixed seeds (`training_corpus`), and the `tokenizers` BPE trainer is deterministic for a fixed
+corpus and settings (ties between equally frequent pairs are broken by the pair itself, not by
+hash order), so every machine builds the same merges. A test pins the digest of the vocabulary
+and merges (`bpe_digest`); a `tokenizers` release that changed the result would fail it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import lru_cache
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from ftis.models.tokenizer import BOS, EOS, PAD, SPECIAL_TOKENS, UNK
+
+VOCAB_SIZE = 384  # 4 specials + 256 byte symbols + 124 merges
+CORPUS_SEED = 0
+CORPUS_PER_SOURCE = 4000
+
+
+def training_corpus() -> list[str]:
+    """The fixed training text: train problems with their answers from the embedded arithmetic
+    task (two operand ranges, all three operations) and the embedded reasoning task, each made
+    from seed `CORPUS_SEED`. Pure function of the task generators' code."""
+    from ftis.tasks.arithmetic import ArithmeticTask
+
+    texts: list[str] = []
+    for cfg in (
+        {"seed": CORPUS_SEED},
+        {
+            "seed": CORPUS_SEED,
+            "ops": {"+": 1.0, "-": 1.0, "*": 1.0},
+            "min_digits": 2,
+            "max_digits": 3,
+            "terms": 3,
+            "ood": {},
+        },
+    ):
+        train = ArithmeticTask(cfg).split("train")
+        texts += [p.question + p.answer for p in train[:CORPUS_PER_SOURCE]]
+    from ftis.tasks.reasoning import ReasoningTask
+
+    train = ReasoningTask({"seed": CORPUS_SEED}).split("train")
+    texts += [p.question + p.answer for p in train[: CORPUS_PER_SOURCE // 4]]
+    return texts
+
+
+def _train_backend() -> Tokenizer:
+    backend = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    # GPT-2-style byte-level pre-tokenisation: every byte is a symbol (any UTF-8 text encodes,
+    # nothing is unknown); digit runs stay together so that digits can merge.
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    backend.train_from_iterator(training_corpus(), trainer=trainer, length=None)
+    return backend
+
+
+@lru_cache(maxsize=1)
+def _backend_json() -> str:
+    return _train_backend().to_str()
+
+
+def bpe_tokenizer() -> PreTrainedTokenizerFast:
+    """The byte-level BPE as a Hugging Face fast tokenizer: ids 0-3 are <pad> <bos> <eos> <unk>
+    (as in the character tokenizer), then the 256 byte symbols and the merges. Trained once per
+    process (a fraction of a second), then rebuilt from its JSON."""
+    backend = Tokenizer.from_str(_backend_json())
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+    tok.model_input_names = ["input_ids", "attention_mask"]
+    return tok
+
+
+def bpe_digest() -> str:
+    """sha256 (first 16 hex digits) of the trained vocabulary and merges: identical on every
+    machine and every run (a test pins it)."""
+    model = json.loads(_backend_json())["model"]
+    payload = json.dumps({"vocab": model["vocab"], "merges": model["merges"]}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
