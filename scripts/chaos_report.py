@@ -221,6 +221,12 @@ def main() -> int:
     args = ap.parse_args()
     wall = None
     code = 0
+    if args.results is None and any(m.resolve() == args.out.resolve() for m in args.merge):
+        raise SystemExit(
+            f"--merge {args.out} is also where this run writes its results (--out), which it "
+            "empties first: copy the earlier results elsewhere and merge the copy, or pass "
+            "another --out"
+        )
     if args.results is None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         code, wall = run_suite(args.out, args.pytest_args)

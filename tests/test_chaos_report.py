@@ -67,3 +67,20 @@ def test_only_the_marked_part_of_the_document_is_rewritten(tmp_path):
     doc.write_text("no markers")
     with pytest.raises(SystemExit, match="markers"):
         chaos_report.write_doc("x", doc)
+
+
+def test_merging_the_file_this_run_writes_is_refused_before_anything_runs(tmp_path, monkeypatch):
+    """--merge R --out R would empty R before the run and lose the earlier cases: refused with
+    the fix, and no suite is started."""
+    results = tmp_path / "results.jsonl"
+    results.write_text(_line("t::a", "F-TIS", "pause") + "\n")
+    ran = []
+    monkeypatch.setattr(chaos_report, "run_suite", lambda *a: ran.append(a) or (0, 1.0))
+    monkeypatch.setattr(
+        "sys.argv",
+        ["chaos_report.py", "--merge", str(results), "--out", str(results)]
+        + ["--doc", str(tmp_path / "RELIABILITY.md")],
+    )
+    with pytest.raises(SystemExit, match="copy the earlier results elsewhere"):
+        chaos_report.main()
+    assert ran == [] and results.read_text().count("\n") == 1
