@@ -21,7 +21,7 @@ from functools import lru_cache
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from ftis.models.tokenizer import BOS, EOS, PAD, SPECIAL_TOKENS, UNK
+from ftis.models.tokenizer import SPECIAL_TOKENS, as_fast_tokenizer
 
 VOCAB_SIZE = 384  # 4 specials + 256 byte symbols + 124 merges
 CORPUS_SEED = 0
@@ -81,18 +81,7 @@ def bpe_tokenizer() -> PreTrainedTokenizerFast:
     """The byte-level BPE as a Hugging Face fast tokenizer: ids 0-3 are <pad> <bos> <eos> <unk>
     (as in the character tokenizer), then the 256 byte symbols and the merges. Trained once per
     process (a fraction of a second), then rebuilt from its JSON."""
-    backend = Tokenizer.from_str(_backend_json())
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token=PAD,
-        bos_token=BOS,
-        eos_token=EOS,
-        unk_token=UNK,
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
-    )
-    tok.model_input_names = ["input_ids", "attention_mask"]
-    return tok
+    return as_fast_tokenizer(Tokenizer.from_str(_backend_json()))
 
 
 def bpe_digest() -> str:

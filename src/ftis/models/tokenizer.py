@@ -27,6 +27,12 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     # One token per character: split on every char and keep it.
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
+    return as_fast_tokenizer(backend)
+
+
+def as_fast_tokenizer(backend: Tokenizer) -> PreTrainedTokenizerFast:
+    """A `tokenizers` backend as the Hugging Face fast tokenizer every embedded tokenizer is:
+    <pad> <bos> <eos> <unk> special tokens, left padding, no clean-up of spaces."""
     tok = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=PAD,
