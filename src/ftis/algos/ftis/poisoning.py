@@ -11,9 +11,15 @@ An arm's *honest nodes* are the nodes that `testing.adversary` does not name. Pe
   of the node's own), mean over the honest nodes' steps. In an arm without an attacker every
   dropped sequence was honest: that is the screen's false-drop rate.
 
-Options (the study file's `options`):
-    baseline: {<loss method>: <arm>}   the arm without attacker or defence, per loss
-    undefended: {<loss method>: <arm>} the attacked arm without defence, per loss
+- cost: `train/completion_tokens` (mean length of the completions a node trained on) and
+  `train/forward_tokens` (tokens through the model per step), mean over honest nodes' steps:
+  what a long (denial-of-service) attack inflates.
+
+Options (the study file's `options`); a key is an arm's name or a loss method, the arm's name
+first, so that arms of one loss with another baseline (another attack, two nodes) can say so;
+an arm mapped to null has no such comparison:
+    baseline: {<arm or loss method>: <arm>}   the arm without attacker or defence
+    undefended: {<arm or loss method>: <arm>} the attacked arm without defence
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ from ftis.study.stats import read_evals
 
 SUCCESS = "attack/success"
 SPLIT = "test"  # the reasoning task's in-distribution split (eval/accuracy's)
-SCREENS = ("plausibility", "same_model", "quarantine", "own")
+LENGTH = "train/completion_tokens"
+FORWARD = "train/forward_tokens"
+SCREENS = ("plausibility", "same_model", "quarantine", "length", "own")
 
 
 def honest_nodes(res: ArmResult) -> list[str]:
@@ -46,7 +54,19 @@ def loss_of(res: ArmResult) -> str:
 def defences_of(res: ArmResult) -> str:
     d = res.run.config.defence
     on = [name for name in ("plausibility", "same_model", "trust") if getattr(d, name)]
+    if d.max_completion_tokens is not None:
+        on.append(f"length <= {d.max_completion_tokens}")
+    if d.max_peer_share < 1:
+        on.append(f"share <= {d.max_peer_share:g}")
     return ", ".join(on) or "none"
+
+
+def option(opts: dict[str, Any], name: str, arm: str, loss: str) -> str | None:
+    """The arm `opts[name]` maps `arm` to (by its name first, then by its loss), or None."""
+    table = opts.get(name) or {}
+    if arm in table:
+        return table[arm]
+    return table.get(loss)
 
 
 def attack_of(res: ArmResult) -> str:
@@ -126,6 +146,11 @@ def main_table(study: Study, results: list[ArmResult]) -> list[str]:
                 fmt_pct(_acc(runs, 0)),
                 fmt_pct(_acc(runs, None)),
                 *succ,
+                _plain([v for r in runs for v in [_step_mean(r, LENGTH)] if v is not None], 1),
+                _plain(
+                    [v / 1000 for r in runs for v in [_step_mean(r, FORWARD)] if v is not None],
+                    1,
+                ),
             ]
         )
     header = [
@@ -136,6 +161,8 @@ def main_table(study: Study, results: list[ArmResult]) -> list[str]:
         "honest acc. step 0 (%)",
         "honest acc. final (%)",
         *[f"attack success step {s} (%)" for s in steps],
+        "trained completion (tokens)",
+        "forward tokens per step (k)",
     ]
     return _table(header, rows)
 
@@ -155,21 +182,16 @@ def drop_table(study: Study, results: list[ArmResult]) -> list[str]:
                 if v is not None
             ]
             cells.append(fmt_pct(vals))
-        trust = []
+        t_bad, t_good = [], []
         for r in runs:
             bad = set(r.run.config.testing.adversary)
-            finals = {}
+            good = set(honest_nodes(r))
             for row in r.rows:
-                if row.get("node") in honest_nodes(r) and int(row["step"]) == _final_step(r):
-                    finals.update({k: v for k, v in row.items() if k.startswith("trust/")})
-            trust.append(finals)
-        t_bad = [v for f in trust for k, v in f.items() if k.removeprefix("trust/") in bad]
-        t_good = [
-            v
-            for r, f in zip(runs, trust, strict=True)
-            for k, v in f.items()
-            if k.removeprefix("trust/") not in set(r.run.config.testing.adversary)
-        ]
+                if row.get("node") not in good or int(row["step"]) != _final_step(r):
+                    continue
+                for k, v in row.items():
+                    if k.startswith("trust/"):
+                        (t_bad if k.removeprefix("trust/") in bad else t_good).append(float(v))
         rows.append(
             [
                 spec.label or arm,
@@ -189,6 +211,13 @@ def drop_table(study: Study, results: list[ArmResult]) -> list[str]:
         "final trust in honest peers",
     ]
     return _table(header, rows)
+
+
+def _plain(values: list[float], digits: int) -> str:
+    if not values:
+        return "-"
+    m, s = mean_std(values)
+    return f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
 def _num(values: list[float]) -> str:
@@ -220,7 +249,6 @@ def difference_table(
     study: Study, results: list[ArmResult], out_dir: Path
 ) -> tuple[list[str], str]:
     opts = study.spec.options  # type: ignore[attr-defined]
-    base, undef = opts.get("baseline", {}), opts.get("undefended", {})
     diffs = Differences()
     rows = []
     for arm, spec in study.spec.arms.items():  # type: ignore[attr-defined]
@@ -231,11 +259,13 @@ def difference_table(
         label = spec.label or arm
         final = _per_seed(runs, out_dir, _final_step)
         vs_honest, vs_undef, success = "-", "-", "-"
-        if loss in base:
-            b = _per_seed(_runs(results, base[loss]), out_dir, _final_step)
+        base = option(opts, "baseline", arm, loss)
+        undef = option(opts, "undefended", arm, loss)
+        if base:
+            b = _per_seed(_runs(results, base), out_dir, _final_step)
             vs_honest = diffs.cell(f"{label} vs no attacker (accuracy)", final, b)
-        if loss in undef and undef[loss] != arm:
-            u_runs = _runs(results, undef[loss])
+        if undef and undef != arm:
+            u_runs = _runs(results, undef)
             u = _per_seed(u_runs, out_dir, _final_step)
             vs_undef = diffs.cell(f"{label} vs no defence (accuracy)", final, u)
             success = diffs.cell(
@@ -250,17 +280,17 @@ def difference_table(
         runs = _runs(results, arm)
         if not runs or runs[0].run.config.testing.adversary or defences_of(runs[0]) == "none":
             continue
-        loss = loss_of(runs[0])
-        if loss in base:
+        base = option(opts, "baseline", arm, loss_of(runs[0]))
+        if base and base != arm:
             label = spec.label or arm
             a = _per_seed(runs, out_dir, _final_step)
-            b = _per_seed(_runs(results, base[loss]), out_dir, _final_step)
+            b = _per_seed(_runs(results, base), out_dir, _final_step)
             rows.append([label, diffs.cell(f"{label} vs no defence (accuracy)", a, b), "-", "-"])
     header = [
         "arm (A)",
-        "honest accuracy: A − same loss without attacker or defence",
-        "honest accuracy: A − same loss attacked without defence",
-        "attack success: A − same loss attacked without defence",
+        "honest accuracy: A − its runs without attacker or defence",
+        "honest accuracy: A − its attacked runs without defence",
+        "attack success: A − its attacked runs without defence",
     ]
     return _table(header, rows), diffs.summary()
 
