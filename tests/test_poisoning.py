@@ -11,7 +11,7 @@ import torch
 from pydantic import ValidationError
 
 from ftis.algos.ftis import defence as defence_mod
-from ftis.algos.ftis.defence import Screen, same_model_ranks
+from ftis.algos.ftis.defence import Screen, same_model_caveat, same_model_ranks
 from ftis.algos.ftis.poison import forge_margin, poison
 from ftis.config import DefenceConfig, LossConfig, PoisonAttack, RunConfig
 from ftis.core.defence import (
@@ -232,6 +232,29 @@ def test_same_model_peers_are_those_with_an_equal_node_config():
     cfg = RunConfig.model_validate({"nodes": nodes})
     assert same_model_ranks(cfg, 0) == {1}
     assert same_model_ranks(cfg, 2) == set()
+
+
+@pytest.mark.parametrize(
+    ("loss", "warned"),
+    [
+        ({"method": "f-tis"}, None),
+        ({"method": "nois"}, None),
+        ({"method": "hacpo"}, "loss hacpo"),
+        ({"method": "f-tis", "shaping_gamma": 0.1}, "f-tis with policy shaping"),
+    ],
+)
+def test_same_model_check_warns_for_losses_that_split_twins_weights(loss, warned):
+    """HACPO and policy shaping weigh own and peers' samples differently: same-config twins'
+    weights drift apart, so the same-model check would flag honest peers (the poisoning study)."""
+    nodes = [{"name": n, "model": {"preset": "llama-xs"}, "loss": loss} for n in "ab"]
+    sharing = {"scheme": "joint"} if loss["method"] == "hacpo" else {}
+    on = RunConfig.model_validate(
+        {"nodes": nodes, "sharing": sharing, "defence": {"same_model": True}}
+    )
+    caveat = same_model_caveat(on, 0)
+    assert (caveat is None) if warned is None else (warned in caveat and "flags honest" in caveat)
+    off = RunConfig.model_validate({"nodes": nodes, "sharing": sharing})
+    assert same_model_caveat(off, 0) is None  # the check is off: nothing to warn about
 
 
 # ---- the attacks -------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from ftis.algos.base import NodeContext
 from ftis.algos.ftis import sharing
 from ftis.algos.ftis.adversary import adversarial
 from ftis.algos.ftis.bridge import attach_text, bridge_blocker, retokenize
-from ftis.algos.ftis.defence import Screen, same_model_ranks
+from ftis.algos.ftis.defence import Screen, same_model_caveat, same_model_ranks
 from ftis.algos.ftis.hacpo import Capabilities, joint_advantages
 from ftis.algos.ftis.poison import forge_margin, poison
 from ftis.config import PoisonAttack
@@ -79,6 +79,9 @@ class FTISAlgorithm:
         self.screen = Screen(
             ctx.cfg.defence, rank=self.rank, same_model=same_model_ranks(ctx.cfg, self.rank)
         )
+        caveat = same_model_caveat(ctx.cfg, self.rank)
+        if caveat:
+            log.warning("rank %d: %s", self.rank, caveat)
         self.counters = {
             "generated_tokens_total": 0.0,
             "skipped_updates_total": 0.0,

@@ -66,6 +66,25 @@ def same_model_ranks(cfg: RunConfig, rank: int) -> set[int]:
     return {i for i in range(len(cfg.nodes)) if i != rank and key(i) == mine}
 
 
+def same_model_caveat(cfg: RunConfig, rank: int) -> str | None:
+    """Why defence.same_model misfires for `rank`, or None: a loss that weighs a node's own
+    samples and its peers' differently (HACPO's clamped peer weight, policy shaping of peers'
+    tokens) moves same-config peers' weights apart even on the same batches, and the check then
+    flags honest peers."""
+    loss = cfg.nodes[rank].loss
+    if not cfg.defence.same_model or not same_model_ranks(cfg, rank):
+        return None
+    if loss.method != "hacpo" and loss.shaping_gamma is None:
+        return None
+    name = "hacpo" if loss.method == "hacpo" else f"{loss.method} with policy shaping"
+    return (
+        f"defence.same_model with loss {name}: this loss weighs a node's own samples and its "
+        "peers' differently, so same-config peers' weights drift apart even on the same batches "
+        "and the check flags honest peers (measured for HACPO in docs/results/poisoning.md); "
+        "use the plausibility screen and trust without it"
+    )
+
+
 class Screen:
     """One receiver's screens and its per-peer distrust (checkpointed)."""
 
