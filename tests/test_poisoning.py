@@ -245,7 +245,8 @@ def test_same_model_peers_are_those_with_an_equal_node_config():
 )
 def test_same_model_check_warns_for_losses_that_split_twins_weights(loss, warned):
     """HACPO and policy shaping weigh own and peers' samples differently: same-config twins'
-    weights drift apart, so the same-model check would flag honest peers (the poisoning study)."""
+    weights drift apart, so the same-model test flags honest peers (the poisoning study), under
+    defence.same_model and under trust, which counts its flags."""
     nodes = [{"name": n, "model": {"preset": "llama-xs"}, "loss": loss} for n in "ab"]
     sharing = {"scheme": "joint"} if loss["method"] == "hacpo" else {}
     on = RunConfig.model_validate(
@@ -253,8 +254,18 @@ def test_same_model_check_warns_for_losses_that_split_twins_weights(loss, warned
     )
     caveat = same_model_caveat(on, 0)
     assert (caveat is None) if warned is None else (warned in caveat and "flags honest" in caveat)
-    off = RunConfig.model_validate({"nodes": nodes, "sharing": sharing})
-    assert same_model_caveat(off, 0) is None  # the check is off: nothing to warn about
+    # trust counts the same-model test's flags even with the check off
+    trust = RunConfig.model_validate(
+        {"nodes": nodes, "sharing": sharing, "defence": {"trust": True}}
+    )
+    caveat = same_model_caveat(trust, 0)
+    assert (caveat is None) if warned is None else caveat.startswith("defence.trust with")
+    plaus = {"nodes": nodes, "sharing": sharing, "defence": {"plausibility": True}}
+    assert same_model_caveat(RunConfig.model_validate(plaus), 0) is None  # no same-model test
+    # a node without a same-config peer has nothing to misjudge
+    other = [nodes[0], {**nodes[1], "optim": {"lr": 3e-4}}]
+    apart = {"nodes": other, "sharing": sharing, "defence": {"same_model": True}}
+    assert same_model_caveat(RunConfig.model_validate(apart), 0) is None
 
 
 # ---- the attacks -------------------------------------------------------------------------------

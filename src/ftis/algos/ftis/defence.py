@@ -67,21 +67,25 @@ def same_model_ranks(cfg: RunConfig, rank: int) -> set[int]:
 
 
 def same_model_caveat(cfg: RunConfig, rank: int) -> str | None:
-    """Why defence.same_model misfires for `rank`, or None: a loss that weighs a node's own
+    """Why the same-model test misfires for `rank`, or None: a loss that weighs a node's own
     samples and its peers' differently (HACPO's clamped peer weight, policy shaping of peers'
-    tokens) moves same-config peers' weights apart even on the same batches, and the check then
-    flags honest peers."""
+    tokens) moves same-config peers' weights apart even on the same batches, and the test then
+    flags honest peers. It drops what it flags under defence.same_model, and trust counts its
+    flags whether or not same_model is on."""
     loss = cfg.nodes[rank].loss
-    if not cfg.defence.same_model or not same_model_ranks(cfg, rank):
+    d = cfg.defence
+    if not (d.same_model or d.trust) or not same_model_ranks(cfg, rank):
         return None
     if loss.method != "hacpo" and loss.shaping_gamma is None:
         return None
     name = "hacpo" if loss.method == "hacpo" else f"{loss.method} with policy shaping"
+    on = " and ".join(k for k in ("same_model", "trust") if getattr(d, k))
     return (
-        f"defence.same_model with loss {name}: this loss weighs a node's own samples and its "
-        "peers' differently, so same-config peers' weights drift apart even on the same batches "
-        "and the check flags honest peers (measured for HACPO in docs/results/poisoning.md); "
-        "use the plausibility screen and trust without it"
+        f"defence.{on} with loss {name}: this loss weighs a node's own samples and its peers' "
+        "differently, so same-config peers' weights drift apart even on the same batches and "
+        "the same-model test flags honest peers (dropped by same_model, distrusted and "
+        "quarantined by trust; measured for HACPO in docs/results/poisoning.md); use the "
+        "plausibility screen alone with this loss"
     )
 
 
