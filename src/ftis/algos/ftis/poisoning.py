@@ -146,8 +146,8 @@ def main_table(study: Study, results: list[ArmResult]) -> list[str]:
                 fmt_pct(_acc(runs, 0)),
                 fmt_pct(_acc(runs, None)),
                 *succ,
-                _plain([v for r in runs for v in [_step_mean(r, LENGTH)] if v is not None], 1),
-                _plain(
+                _num([v for r in runs for v in [_step_mean(r, LENGTH)] if v is not None], 1),
+                _num(
                     [v / 1000 for r in runs for v in [_step_mean(r, FORWARD)] if v is not None],
                     1,
                 ),
@@ -213,18 +213,11 @@ def drop_table(study: Study, results: list[ArmResult]) -> list[str]:
     return _table(header, rows)
 
 
-def _plain(values: list[float], digits: int) -> str:
+def _num(values: list[float], digits: int = 2) -> str:
     if not values:
         return "-"
     m, s = mean_std(values)
     return f"{m:.{digits}f} ± {s:.{digits}f}"
-
-
-def _num(values: list[float]) -> str:
-    if not values:
-        return "-"
-    m, s = mean_std(values)
-    return f"{m:.2f} ± {s:.2f}"
 
 
 def _per_seed(runs: list[ArmResult], out_dir: Path, step_of) -> dict[int, Any]:
