@@ -95,6 +95,21 @@ def _digest(payload: dict) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def _tokenizer_payload(model_cfg: ModelConfig) -> dict:
+    """The digest of a trained embedded tokenizer (the ``*-bpe`` presets), so that a changed
+    tokenizer never reuses weights trained on the old one. Empty for the character tokenizer,
+    which is fixed, and for a model directory, whose path is in the key; keeping it empty there
+    keeps those keys (and the shipped bases they name) unchanged."""
+    from ftis.models.presets import PRESETS
+
+    preset = PRESETS.get(model_cfg.preset) if model_cfg.preset else None
+    if preset is None or preset.tokenizer != "bpe":
+        return {}
+    from ftis.models.bpe import bpe_digest
+
+    return {"tokenizer": f"bpe-{bpe_digest()}"}
+
+
 def cache_key(model_cfg: ModelConfig, ws: WarmStartConfig, task_cfg: BaseModel) -> str:
     """Key of the local cache entry: everything that decides how a local warm start comes out,
     the torch version included."""
@@ -104,6 +119,7 @@ def cache_key(model_cfg: ModelConfig, ws: WarmStartConfig, task_cfg: BaseModel) 
         "warm_start": ws.model_dump(),
         "task": _task_payload(task_cfg),
         "torch": torch.__version__.split("+")[0],
+        **_tokenizer_payload(model_cfg),
     }
     return _digest(payload)
 
@@ -117,6 +133,7 @@ def base_key(model_cfg: ModelConfig, ws: WarmStartConfig, task_cfg: BaseModel) -
         "model": model_cfg.model_dump(exclude={"lora", "device", "compute_dtype"}),
         "warm_start": ws.model_dump(),
         "task": _task_payload(task_cfg),
+        **_tokenizer_payload(model_cfg),
     }
     return _digest(payload)
 
