@@ -451,3 +451,39 @@ def test_the_shared_report_layer_imports_no_algorithm() -> None:
     imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     assert "ftis.algos" in imported  # the registry
     assert [m for m in imported if m.startswith("ftis.algos.")] == []
+
+
+# ------------------------------------------------------------------ change over the run
+
+
+def test_change_section_calls_a_node_improved_only_when_its_interval_excludes_zero(
+    tmp_path: Path,
+) -> None:
+    from ftis.train.metrics import encode_outcomes
+
+    n = 200
+    before = [0] * n
+    after_up = [1] * 60 + [0] * (n - 60)  # 30 points up, on the same problems
+    after_flat = [1] * 2 + [0] * (n - 2)  # 1 point: within what 200 problems resolve
+    evals = [
+        {"step": s, "node": node, "split": "test", "n": n, "correct": encode_outcomes(bits)}
+        for node, after in (("up", after_up), ("flat", after_flat))
+        for s, bits in ((0, before), (10, after))
+    ]
+    run = _run(tmp_path, "ftis", [{"step": 0, "node": "up"}, {"step": 0, "node": "flat"}])
+    (run / "evals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+    text = write_report(run).read_text()
+    section = text[text.index("### Change over the run") :]
+    rows = {line.split(" | ")[0].strip("| "): line for line in section.splitlines()}
+    assert "| test | 0 -> 10 | 200 | +30.0 [" in rows["up"] and "**improved**" in rows["up"]
+    assert "| +1.0 [0.0, +" in rows["flat"]  # the interval reaches zero
+    assert rows["flat"].endswith("| no change detected |")
+
+
+def test_change_section_is_absent_without_two_evaluations(tmp_path: Path) -> None:
+    from ftis.train.metrics import encode_outcomes
+
+    run = _run(tmp_path, "ftis", [{"step": 0, "node": "a"}])
+    row = {"step": 0, "node": "a", "split": "test", "n": 8, "correct": encode_outcomes([1] * 8)}
+    (run / "evals.jsonl").write_text(json.dumps(row) + "\n")
+    assert "Change over the run" not in write_report(run).read_text()

@@ -292,6 +292,7 @@ def write_report(run_dir: Path) -> Path:
     if "filtered" in header:
         lines.append("'filtered' is the mean fraction of sequences the F- filter zeroed per step.")
     lines.append("")
+    lines += change_section(run_dir)
     if (run_dir / "accuracy.png").exists():
         lines += ["![accuracy](accuracy.png)", ""]
     lines += federated_lines(rows)
@@ -303,6 +304,51 @@ def write_report(run_dir: Path) -> Path:
     path = run_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def change_section(run_dir: Path) -> list[str]:
+    """Did each node improve? Its last evaluation against its first, paired by problem (the same
+    problems at every step, from evals.jsonl): the change in points with a 95% bootstrap
+    interval over the problems (docs/math.md §11, one seed), and 'improved' / 'worse' only where
+    the interval excludes zero. One run says nothing of the spread over training seeds; a study
+    (`ftis sweep`) pairs seeds. Empty for a run without two evaluations of a node."""
+    from ftis.study.stats import paired_difference, read_evals
+
+    try:
+        evals = read_evals(run_dir)
+    except (FileNotFoundError, ValueError):
+        return []
+    body = []
+    for node, splits in evals.items():
+        for split, outcomes in splits.items():
+            if len(outcomes.steps) < 2:
+                continue
+            first, last = int(outcomes.steps[0]), int(outcomes.steps[-1])
+            d = paired_difference({0: outcomes.correct[-1]}, {0: outcomes.correct[0]})
+            word = {"better": "improved", "worse": "worse"}.get(d.verdict(), "no change detected")
+            body.append(
+                [
+                    node,
+                    split,
+                    f"{first} -> {last}",
+                    str(d.problems),
+                    d.cells(),
+                    f"**{word}**" if d.excludes_zero else word,
+                ]
+            )
+    if not body:
+        return []
+    header = ["node", "split", "steps", "problems", "change (points) [95% interval]", "reading"]
+    return [
+        "### Change over the run, paired by problem",
+        "",
+        *table_lines(header, body),
+        "",
+        "The last evaluation's greedy accuracy minus the first's, on the same problems; the "
+        "interval is a bootstrap over those problems, so it covers which problems were drawn, not "
+        "how another training seed would have gone (`ftis sweep` pairs seeds).",
+        "",
+    ]
 
 
 ZERO_REWARD_STEPS = 5  # as ftis.train.loop's warning
