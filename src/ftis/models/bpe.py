@@ -11,14 +11,9 @@ of an answer thus really differ (any answer of three or more digits), yet a numb
 always stands alone, as in the character tokenizer: a 1-2-digit addition's sum is the tens
 count (0-19, one token) then the units digit. A first version let BPE merge whole digit runs,
 so that most sums up to 120 were one token each: a tiny model must then learn a 100 x 100
-lookup table, and its warm start on configs/cross-tokenizer.yaml reached 20.7% greedy accuracy
-where this one reaches 68.8% (the character Llama of that config: about 70%).
-
-Determinism: the corpus is a fixed list of strings made by the embedded task generators with
-fixed seeds (`training_corpus`), and the `tokenizers` BPE trainer is deterministic for a fixed
-corpus and settings (ties between equally frequent pairs are broken by the pair itself, not by
-hash order), so every machine builds the same merges. A test pins the digest of the vocabulary
-and merges (`bpe_digest`); a `tokenizers` release that changed the result would fail it.
+lookup table. Same warm-start recipe (configs/cross-tokenizer.yaml's qwen2-bpe node, trained on
+one machine, greedy accuracy on the config's 256 test problems): 20.7% with whole runs merged,
+68.8% with this split; the character Llama of that config starts at 69.9%.
 """
 
 from __future__ import annotations
