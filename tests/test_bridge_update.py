@@ -87,3 +87,31 @@ def test_bridged_tis_weights_are_reported():
     shift = torch.linspace(0.0, 0.3, batch.num_sequences)
     expected = torch.exp(shift * batch.lengths).clamp(max=2.0)[active].mean()
     assert m["bridge_weight_mean"] == pytest.approx(float(expected), rel=1e-4)
+
+
+def test_hacpo_clipping_counts_bridged_peers_as_the_exact_path_does():
+    # identical tokens, every sequence a peer's: the sequence ratio s_i = exp(shift_i) lies in
+    # [1, 1.35], so every sequence with shift > 0 falls outside HACPO's window [lower, 1]; both
+    # paths must count the same peers and the same clipped ones
+    from ftis.train import update as update_mod
+    from tests.test_train import TASK
+
+    adv = None
+    out = {}
+    for path in ("exact", "bridged"):
+        node = _node("hacpo")  # the same initial weights for both paths
+        batch = _peer_batch(node)
+        adv = torch.linspace(-1, 1, batch.num_sequences)
+        own = torch.zeros(batch.num_sequences, dtype=torch.bool)
+        b = batch if path == "exact" else _as_bridged(batch)
+        out[path] = update_mod.update(
+            node, TASK, b, adv, loss_cfg=node.cfg.loss, micro_batch_size=0, own=own
+        )
+    active = adv != 0
+    shift = torch.linspace(0.0, 0.3, len(adv))
+    expected = float(((shift > 1e-6) & active).sum() / active.sum())
+    assert 0 < expected < 1
+    for path in ("exact", "bridged"):
+        assert out[path]["peer_frac"] == pytest.approx(1.0), path
+        assert out[path]["peer_clipped_frac"] == pytest.approx(expected), path
+    assert out["bridged"]["bridge_sequences"] == float(active.sum())

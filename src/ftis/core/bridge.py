@@ -90,12 +90,15 @@ def bridged_divergence(
 class BridgedLoss:
     """What `bridged_loss` returns: ``per_sequence`` (N,) loss terms (to be summed and divided
     by the global N), ``weight`` (N,) the sequence weight the method applied (detached),
-    ``divergence`` (N,) D_i, ``filtered`` (N,) bool."""
+    ``divergence`` (N,) D_i, ``filtered`` (N,) bool, ``clipped`` (N,) bool: under ``hacpo``
+    the sequences whose ratio s_i fell outside HACPO's window [lower, 1] (they get no
+    gradient), as the exact path's ``peer_clipped_frac`` counts them; all False otherwise."""
 
     per_sequence: Tensor
     weight: Tensor
     divergence: Tensor
     filtered: Tensor
+    clipped: Tensor
 
 
 def bridged_loss(
@@ -151,6 +154,7 @@ def bridged_loss(
     on_policy = torch.where(mask, torch.exp(lp - lp.detach()), torch.zeros_like(lp))
     g = on_policy.sum(dim=1) / lengths
     ones = torch.ones_like(adv)
+    clipped = torch.zeros_like(filtered)
     if method in ("vis", "gspo", "hacpo"):
         s = torch.exp(
             bridged_mean_log_ratio(
@@ -161,6 +165,7 @@ def bridged_loss(
             omega = ones if peer_scale is None else peer_scale.to(adv)
             per_seq = peer_term(s, adv, omega, peer_clip_lower, hacpo_alpha)
             weight = s.detach().clamp(peer_clip_lower, 1.0)
+            clipped = (s.detach() < peer_clip_lower) | (s.detach() > 1.0)
         else:
             low, high = gspo_eps if method == "gspo" else (clip_eps, clip_eps)
             per_seq = gspo_term(s, adv, eps_low=low, eps_high=high)
@@ -180,5 +185,9 @@ def bridged_loss(
     nonempty = mask.any(dim=1)
     per_seq = torch.where(nonempty, per_seq, torch.zeros_like(per_seq))
     return BridgedLoss(
-        per_sequence=per_seq, weight=weight.detach(), divergence=divergence, filtered=filtered
+        per_sequence=per_seq,
+        weight=weight.detach(),
+        divergence=divergence,
+        filtered=filtered,
+        clipped=clipped,
     )

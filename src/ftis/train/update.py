@@ -87,8 +87,9 @@ def update(
     the sequence-level terms of `ftis.core.bridge.bridged_loss` with the same global N; the
     others `policy_loss` as always (its metrics then describe them alone). The metrics gain
     `bridge_sequences`, `bridge_weight_mean`, `bridge_filtered` and `bridge_filter_stat_mean`
-    over the bridged sequences that ran. A batch without bridged sequences runs exactly as
-    before.
+    over the bridged sequences that ran; under `hacpo`, `peer_frac` and `peer_clipped_frac`
+    count the bridged peers with the exact ones (over every sequence that ran). A batch without
+    bridged sequences runs exactly as before.
     """
     tok = node.tokenizer
     n_total = batch.num_sequences
@@ -110,7 +111,7 @@ def update(
     bridged_all, bridge_total, bridge_length = batch.bridge_columns()
     n_bridged = int(bridged_all.sum())
     n_exact = n - n_bridged
-    bridge_sums = {"weight": 0.0, "filtered": 0.0, "stat": 0.0}
+    bridge_sums = {"weight": 0.0, "filtered": 0.0, "stat": 0.0, "clipped": 0.0}
     train = task.split("train")
     prompt_cache: dict[int, list[int]] = {}
     for i in batch.prompt_index.tolist():
@@ -209,6 +210,7 @@ def update(
             bridge_sums["weight"] += float(out.weight.sum())
             bridge_sums["filtered"] += float(out.filtered.sum())
             bridge_sums["stat"] += float(out.divergence.sum())
+            bridge_sums["clipped"] += float(out.clipped.sum())
         if reco and loss_cfg.reco_token_ratio:
             metrics.update(
                 variance_ratio_summary(
@@ -295,6 +297,13 @@ def update(
         totals["bridge_weight_mean"] = bridge_sums["weight"] / n_bridged if n_bridged else 0.0
         totals["bridge_filtered"] = bridge_sums["filtered"]
         totals["bridge_filter_stat_mean"] = bridge_sums["stat"] / n_bridged if n_bridged else 0.0
+        if n_bridged and "peer_frac" in totals:
+            # HACPO: every bridged sequence is a peer's; peer_frac and peer_clipped_frac then
+            # count the exact and the bridged peers over every sequence that ran
+            exact_peers = totals["peer_frac"] * n_exact
+            exact_clipped = totals["peer_clipped_frac"] * n_exact
+            totals["peer_frac"] = (exact_peers + n_bridged) / n
+            totals["peer_clipped_frac"] = (exact_clipped + bridge_sums["clipped"]) / n
     if sequence_weights is not None:
         totals["reco_weight_max"] = float(sequence_weights.max()) if n else 0.0
         totals["reco_weight_min"] = float(sequence_weights.min()) if n else 0.0
