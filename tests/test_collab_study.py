@@ -127,3 +127,43 @@ def test_collab_document_pairs_by_seed_and_problem(tmp_path):
     # regenerating gives the same bytes
     write_results(study, out_dir=out, report_path=report)
     assert report.read_text() == text
+
+
+def test_a_method_keeps_its_colour_in_every_panel(tmp_path, monkeypatch):
+    # pairing q ran only the second and third methods: their lines must keep the colours they
+    # have in pairing p (whose panel carries the legend), not restart at the first colour
+    import matplotlib.pyplot as plt
+
+    from ftis.algos.ftis import collab
+
+    class Outcomes:
+        steps = np.array([0, 2])
+
+    class Data:
+        class _cache:  # mirrors CollabData's attribute
+            @staticmethod
+            def outcomes(run_dir):
+                return {"n": {"test": Outcomes()}}
+
+        def seeds(self, p, m, n):
+            from types import SimpleNamespace
+
+            ran = {"p": ["m0", "m1", "m2"], "q": ["m1", "m2"]}
+            return {0: SimpleNamespace(run_dir=tmp_path)} if m in ran[p] else {}
+
+        def curve(self, run, split):
+            return np.array([0.0, 10.0]), np.array([[0.0], [1.0]])
+
+    figs = []
+    monkeypatch.setattr(plt, "close", lambda fig: figs.append(fig))
+    labels = {"m0": "zero", "m1": "one", "m2": "two"}
+    panels = [("p", ["n"]), ("q", ["n"])]
+    assert collab.plot_curves(
+        Data(), panels, ["m0", "m1", "m2"], labels, "test", tmp_path / "a.png"
+    )
+    ax_p, ax_q = figs[0].axes[:2]
+    colour = {line.get_label(): line.get_color() for line in ax_p.get_lines()}
+    assert len(set(colour.values())) == 3
+    for line in ax_q.get_lines():
+        assert line.get_color() == colour[line.get_label()]
+    assert [t.get_text() for t in ax_p.get_legend().get_texts()] == ["zero", "one", "two"]

@@ -327,8 +327,9 @@ def plot_curves(
     rows_n = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows_n, cols, figsize=(11, 3.2 * rows_n), squeeze=False)
     drew = False
+    handles: dict[str, Any] = {}  # method -> a line, for one legend over every panel
     for ax, (p, n) in zip(axes.flat, panels, strict=False):
-        for m in methods:
+        for j, m in enumerate(methods):
             curves = [data.curve(r, split) for r in data.seeds(p, m, n).values()]
             curves = [c for c in curves if c is not None]
             if not curves:
@@ -340,7 +341,9 @@ def plot_curves(
                 xs = data._cache.outcomes(run.run_dir)[n][split].steps[:length]
             else:
                 xs = np.mean([c[0][:length] for c in curves], axis=0)
-            ax.plot(xs, acc, marker="o", label=labels.get(m, m))
+            # a method keeps its colour in every panel, whichever methods a pairing ran
+            (line,) = ax.plot(xs, acc, marker="o", color=f"C{j % 10}", label=labels.get(m, m))
+            handles.setdefault(m, line)
             drew = True
         ax.set_title(f"{p}: {n}")
         ax.set_xlabel("RL step" if x == "step" else "generated tokens")
@@ -349,7 +352,10 @@ def plot_curves(
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     if drew:
-        axes.flat[0].legend(fontsize=7)
+        order = [m for m in methods if m in handles]
+        axes.flat[0].legend(
+            [handles[m] for m in order], [labels.get(m, m) for m in order], fontsize=7
+        )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
