@@ -314,3 +314,11 @@ def test_an_algorithms_missing_package_names_the_extra_before_the_run(tmp_path, 
         res = runner.invoke(app, ["run", _config(tmp_path), *args, "--out", str(out)])
         _one_clean_line(res, f"pip install '{extra}'", "algorithm.kind")
         assert not out.exists()
+
+
+def test_presets_lists_each_presets_tokenizer():
+    result = runner.invoke(app, ["presets"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    rows = {line.split("│")[1].strip(): line for line in result.output.splitlines() if "│" in line}
+    assert "│ bpe " in rows["qwen2-bpe"] and "│ bpe " in rows["llama-bpe"]
+    assert "│ char " in rows["llama-m"]

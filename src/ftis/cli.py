@@ -496,12 +496,14 @@ def presets() -> None:
     from ftis.models.loading import ModelConfig, build_model, count_parameters
     from ftis.models.presets import PRESETS
 
-    table = Table(title="tiny presets (character tokenizer)")
-    for h in ("name", "arch", "layers", "hidden", "parameters"):
+    table = Table(title="tiny presets")
+    for h in ("name", "arch", "layers", "hidden", "tokenizer", "parameters"):
         table.add_column(h)
     for name, p in PRESETS.items():
         _, total = count_parameters(build_model(ModelConfig(preset=name)))
-        table.add_row(name, p.arch, str(p.layers), str(p.hidden), f"{total / 1e6:.2f}M")
+        table.add_row(
+            name, p.arch, str(p.layers), str(p.hidden), p.tokenizer, f"{total / 1e6:.2f}M"
+        )
     _stdout().print(table)
 
 
