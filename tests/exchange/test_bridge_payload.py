@@ -47,22 +47,26 @@ def through_wire(tok, batch: RolloutBatch, **kw) -> RolloutBatch:
 
 
 def test_text_round_trips_and_retokenizes_to_fewer_or_more_tokens():
-    # char -> BPE: "23+45=68" + EOS is 9 char tokens, 5 BPE tokens + EOS
-    sent = batch_of(CHAR, [enc(CHAR, "68") + [CHAR.eos_token_id], enc(CHAR, "100")])
+    # char -> BPE: "198" + EOS is 4 char tokens, 2 BPE tokens ("19" "8") + EOS; "100" is 3 char
+    # tokens, 2 BPE tokens ("10" "0")
+    sent = batch_of(CHAR, [enc(CHAR, "198") + [CHAR.eos_token_id], enc(CHAR, "100")])
     got = through_wire(CHAR, sent, compress=True)
-    assert got.text.texts == ["68", "100"] and got.text.finished.tolist() == [True, False]
-    assert got.text.char_ends.tolist() == [[1, 2, 2], [1, 2, 3]]
+    assert got.text.texts == ["198", "100"] and got.text.finished.tolist() == [True, False]
+    assert got.text.char_ends[0].tolist() == [1, 2, 3, 3]  # the EOS spells nothing
+    assert got.text.char_ends[1, :3].tolist() == [1, 2, 3]
     out, rejected = retokenize(got, BPE, max_tokens=MAX_TOKENS)
     assert rejected == []
-    assert out.completion_ids[0, :2].tolist() == enc(BPE, "68") + [BPE.eos_token_id]
-    assert out.lengths.tolist() == [2, 1]  # 3 -> 2 and 3 -> 1 tokens
+    assert enc(BPE, "198") == [BPE.convert_tokens_to_ids("19"), BPE.convert_tokens_to_ids("8")]
+    assert out.completion_ids[0, :3].tolist() == enc(BPE, "198") + [BPE.eos_token_id]
+    assert out.completion_ids[1, :2].tolist() == enc(BPE, "100")
+    assert out.lengths.tolist() == [3, 2]  # 4 -> 3 and 3 -> 2 tokens
     assert out.bridged.tolist() == [True, True]
-    # sender totals: row 0 = -0.1 - 0.2 - 0.3 (EOS included), row 1 = -0.2 - 0.4 - 0.6
-    torch.testing.assert_close(out.bridge_sampler_logprob, torch.tensor([-0.6, -1.2]))
-    assert out.bridge_sampler_length.tolist() == [3, 3]
-    # BPE -> char: "100" is one BPE token and three characters
-    back, _ = retokenize(through_wire(BPE, batch_of(BPE, [enc(BPE, "100")])), CHAR, max_tokens=8)
-    assert back.lengths.tolist() == [3] and back.bridge_sampler_length.tolist() == [1]
+    # sender totals: row 0 = -0.1 - 0.2 - 0.3 - 0.4 (EOS included), row 1 = -0.2 - 0.4 - 0.6
+    torch.testing.assert_close(out.bridge_sampler_logprob, torch.tensor([-1.0, -1.2]))
+    assert out.bridge_sampler_length.tolist() == [4, 3]
+    # BPE -> char: "198" is two BPE tokens and three characters
+    back, _ = retokenize(through_wire(BPE, batch_of(BPE, [enc(BPE, "198")])), CHAR, max_tokens=8)
+    assert back.lengths.tolist() == [3] and back.bridge_sampler_length.tolist() == [2]
 
 
 def test_a_cut_inside_a_multibyte_character_leaves_the_partial_character_out():
@@ -83,14 +87,17 @@ def test_a_cut_inside_a_multibyte_character_leaves_the_partial_character_out():
 
 
 def test_a_cut_mid_merge_is_just_text_the_receiver_tokenizes_its_own_way():
-    # the char sender was cut after "10" (BPE would have merged "100"); BPE tokenizes "10"
-    # itself, and the non-canonical BPE split "1","2" comes back as the one token "12"
-    out, _ = retokenize(through_wire(CHAR, batch_of(CHAR, [enc(CHAR, "10")])), BPE, max_tokens=8)
-    assert out.completion_ids[0, : out.lengths[0]].tolist() == enc(BPE, "10")
-    split = [enc(BPE, "1")[0], enc(BPE, "2")[0]]
+    # the char sender was cut after "19" of "198" (BPE would have spelled "19" "8"); BPE
+    # tokenizes the text "19" itself, digit by digit, and the non-canonical BPE split "1","2","3"
+    # comes back as the canonical "12" "3"
+    out, _ = retokenize(through_wire(CHAR, batch_of(CHAR, [enc(CHAR, "19")])), BPE, max_tokens=8)
+    assert out.completion_ids[0, : out.lengths[0]].tolist() == enc(BPE, "19")
+    assert len(enc(BPE, "19")) == 2
+    split = [enc(BPE, d)[0] for d in "123"]
+    assert enc(BPE, "123") == [BPE.convert_tokens_to_ids("12"), BPE.convert_tokens_to_ids("3")]
     out, _ = retokenize(through_wire(BPE, batch_of(BPE, [split])), BPE, max_tokens=8)
-    assert out.completion_ids[0, : out.lengths[0]].tolist() == enc(BPE, "12")
-    assert out.bridge_sampler_length.tolist() == [2]
+    assert out.completion_ids[0, : out.lengths[0]].tolist() == enc(BPE, "123")
+    assert out.bridge_sampler_length.tolist() == [3]
 
 
 def test_special_tokens_spell_nothing_and_literal_tags_are_not_injected():
@@ -116,7 +123,8 @@ def test_empty_completions():
 
 
 def test_too_many_receiver_tokens_are_rejected():
-    # "100" is 1 BPE token but 3 characters: over a receiver limit of 2
+    # "100" is 2 BPE tokens ("10" "0") but 3 characters: over a receiver limit of 2
+    assert len(enc(BPE, "100")) == 2
     out, rejected = retokenize(
         through_wire(BPE, batch_of(BPE, [enc(BPE, "100")])), CHAR, max_tokens=2
     )
@@ -124,7 +132,7 @@ def test_too_many_receiver_tokens_are_rejected():
 
 
 def test_identical_tokenizer_gives_the_same_tokens_and_totals_as_the_exact_path():
-    sent = batch_of(BPE, [enc(BPE, "23+45=68") + [BPE.eos_token_id], enc(BPE, "7-3=4")])
+    sent = batch_of(BPE, [enc(BPE, "123+45=168") + [BPE.eos_token_id], enc(BPE, "7-3=4")])
     out, _ = retokenize(through_wire(BPE, sent), BPE, max_tokens=MAX_TOKENS)
     assert torch.equal(out.completion_ids, sent.completion_ids)
     assert torch.equal(
