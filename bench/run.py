@@ -29,6 +29,7 @@ SUMMARY_KEYS = (
     "scale_rollout_time_ratio_one_pass",
     "scale_update_mfu",
     "scale_rollout_floor_multiple",
+    "scale_rollout_streamed_floor_multiple",
     "scale_step_floor_multiple",
     "scale_update_floor_multiple",
     "scale_trl_step_time_ratio_bf16",

@@ -52,7 +52,7 @@ class ScaleConfig:
     rounds: int = 2  # processes per side, ftis and TRL alternating
     rollout_reps: int = 2  # measured rollouts per process (after one warm-up)
     profile_length: int = 64
-    ablation: bool = True  # also time the sampler with transformers' DynamicCache
+    ablation: bool = True  # also time the sampler with DynamicCache and with forward per step
     bf16: bool = True  # also one ftis and one TRL step process in bf16 at the first length
 
 
@@ -382,10 +382,16 @@ def rollout(cfg: dict) -> dict:
         import ftis.rollout.sampler as sampler_mod
 
         sampler_mod.preallocated_cache = lambda capacity: DynamicCache()
+    if method == "ftis_forward":
+        # Ablation: the sampler calling the model's forward for every decode step instead of
+        # its direct decode step (rollout/decode.py), as ftis did before.
+        import ftis.rollout.sampler as sampler_mod
+
+        sampler_mod.decode_step = lambda model, attention: None
 
     @torch.no_grad()
     def once():
-        if method in ("ftis", "ftis_dynamic_cache"):
+        if method in ("ftis", "ftis_dynamic_cache", "ftis_forward"):
             return sample(
                 model,
                 prompts,
@@ -430,7 +436,14 @@ def matmul_peak(cfg: dict) -> dict:
     (dY W and dY^T X) of every linear shape; `decode`: M = N rows, forward only. For each, the
     best shape is the machine's peak here, and `*_floor_s` is the time every linear matmul of
     one update / one rollout would take at its measured speed (attention, norms, activations,
-    the optimizer and Python excluded): the floor a perfect implementation could approach."""
+    the optimizer and Python excluded): the floor a perfect implementation could approach.
+
+    Each shape is timed alone, over and over, so its weight stays in the CPU's caches. A decode
+    step cannot do that: it multiplies every weight of the model once (94 MB in f32 at
+    `llama-20m`, more than the L3 of most CPUs), so its weights stream from memory. Hence
+    `decode_streamed_floor_s`: one decode step's linear matmuls in the model's order, each on
+    its own weight tensor (as many as the model has), timed as a whole; the floor of a rollout
+    that has to read its weights every step."""
     import torch
 
     def bench(fn, flops: float) -> tuple[float, float]:
@@ -468,6 +481,22 @@ def matmul_peak(cfg: dict) -> dict:
                 best, floor = max(best, rate), floor + t * count
         out[f"{name}_peak_flops"] = best
         out[f"{name}_floor_s"] = floor
+    m = cfg["decode_rows"]
+    xs = {i: torch.randn(m, i, generator=g).to(dtype) for i, _, _ in shapes}
+    # Per layer q, k, v, o, gate, up, down (the order of linear_shapes), then the LM head.
+    weights = []
+    layers = model_shape(cfg["preset"])["layers"]
+    for _ in range(layers):
+        for i, o, count in shapes[:-1]:
+            weights += [torch.randn(o, i, generator=g).to(dtype) for _ in range(count // layers)]
+    i, o, _ = shapes[-1]
+    weights.append(torch.randn(o, i, generator=g).to(dtype))
+
+    def one_step():
+        for w in weights:
+            torch.nn.functional.linear(xs[w.shape[1]], w)
+
+    out["decode_streamed_floor_s"] = bench(one_step, 1.0)[1]
     return out
 
 
@@ -572,7 +601,7 @@ def _median(xs: list[float]) -> float:
     return median(xs)
 
 
-ROLLOUTS = ("ftis", "hf_one_pass", "hf_two_pass", "ftis_dynamic_cache")
+ROLLOUTS = ("ftis", "hf_one_pass", "hf_two_pass", "ftis_dynamic_cache", "ftis_forward")
 
 
 def ro_methods(ro: dict) -> list[str]:
@@ -624,7 +653,7 @@ def run(quick: bool, config: ScaleConfig | None = None) -> dict:
 
         ro: dict[str, list[float]] = {}
         for _ in range(c.rounds):
-            for method in ROLLOUTS[: 4 if c.ablation else 3]:
+            for method in ROLLOUTS if c.ablation else ROLLOUTS[:3]:
                 r = child("rollout", **base, length=T, method=method, reps=c.rollout_reps)
                 ro.setdefault(method, []).extend(r["s"])
                 ro.setdefault(method + "_cpu", []).extend(r["cpu_s"])
@@ -638,6 +667,7 @@ def run(quick: bool, config: ScaleConfig | None = None) -> dict:
             ("hf_one_pass", "one_pass"),
             ("hf_two_pass", "two_pass"),
             ("ftis_dynamic_cache", "dynamic_cache"),
+            ("ftis_forward", "forward_step"),
         ):
             if base_m not in ro:
                 continue
@@ -655,6 +685,7 @@ def run(quick: bool, config: ScaleConfig | None = None) -> dict:
         out[p + "matmul_decode_peak_flops"] = peak["decode_peak_flops"]
         out[p + "update_matmul_floor_s"] = peak["update_floor_s"] * n / c.micro_batch
         out[p + "sample_matmul_floor_s"] = peak["decode_floor_s"] * T
+        out[p + "sample_streamed_floor_s"] = peak["decode_streamed_floor_s"] * T
         out[p + "update_flops_per_s"] = flops_u / out[p + "ftis_update_cpu_s"]
         out[p + "update_mfu"] = out[p + "update_flops_per_s"] / peak["update_peak_flops"]
         out[p + "sample_flops_per_s"] = flops_s / out[p + "rollout_ftis_cpu_s"]
@@ -667,6 +698,9 @@ def run(quick: bool, config: ScaleConfig | None = None) -> dict:
         # against the sum of the sampling and update floors).
         out[p + "rollout_floor_multiple"] = (
             out[p + "rollout_ftis_cpu_s"] / out[p + "sample_matmul_floor_s"]
+        )
+        out[p + "rollout_streamed_floor_multiple"] = (
+            out[p + "rollout_ftis_cpu_s"] / out[p + "sample_streamed_floor_s"]
         )
         out[p + "update_floor_multiple"] = (
             out[p + "ftis_update_cpu_s"] / out[p + "update_matmul_floor_s"]
@@ -682,7 +716,12 @@ def run(quick: bool, config: ScaleConfig | None = None) -> dict:
     out["scale_trl_step_time_ratio"] = out[f"len{head}_trl_step_time_ratio"]
     out["scale_rollout_time_ratio_one_pass"] = out[f"len{head}_rollout_time_ratio_one_pass"]
     out["scale_update_mfu"] = out[f"len{head}_update_mfu"]
-    for key in ("rollout_floor_multiple", "step_floor_multiple", "update_floor_multiple"):
+    for key in (
+        "rollout_floor_multiple",
+        "rollout_streamed_floor_multiple",
+        "step_floor_multiple",
+        "update_floor_multiple",
+    ):
         out[f"scale_{key}"] = out[f"len{head}_{key}"]
     if c.bf16:
         out["scale_trl_step_time_ratio_bf16"] = out[f"len{head}_trl_step_time_ratio_bf16"]

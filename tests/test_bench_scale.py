@@ -68,8 +68,10 @@ def test_ftis_step_worker_reports_phases_and_flops():
 def test_rollout_worker_every_method(method, monkeypatch):
     import ftis.rollout.sampler as sampler_mod
 
-    # the ablation replaces the sampler's cache factory in its (child) process: undo it here
+    # the ablations replace the sampler's cache factory or decode step in their (child)
+    # process: undo that here
     monkeypatch.setattr(sampler_mod, "preallocated_cache", sampler_mod.preallocated_cache)
+    monkeypatch.setattr(sampler_mod, "decode_step", sampler_mod.decode_step)
     r = scale.rollout(dict(TINY, method=method, reps=1))
     assert len(r["s"]) == 1 and len(r["cpu_s"]) == 1
 
@@ -78,6 +80,7 @@ def test_matmul_peak_and_profile_workers():
     r = scale.matmul_peak(dict(preset="llama-xs", update_tokens=8, decode_rows=4, reps=1))
     assert r["update_peak_flops"] > 0 and r["decode_peak_flops"] > 0
     assert r["update_floor_s"] > 0 and r["decode_floor_s"] > 0
+    assert r["decode_streamed_floor_s"] > 0
     p = scale.profile(dict(TINY, length=3))
     for phase in ("sample", "update"):
         q = p[phase]
@@ -139,3 +142,20 @@ def test_report_renders_the_floor_multiples_and_the_bf16_pair():
     assert "both bf16" in rows[5] and "| 0.500 |" in rows[5]
     text = "\n".join(scale_section(s))
     assert "1.25x / 1.25x / 1.25x" in text and "ratio **0.500**" in text
+
+
+def test_report_renders_the_streamed_floor_and_the_forward_ablation():
+    s = _fake_results()
+    p = "len64_"
+    for k in ("rollout_floor_multiple", "update_floor_multiple", "step_floor_multiple"):
+        s[p + k] = 1.25
+    s[p + "sample_matmul_floor_s"], s[p + "rollout_ftis_cpu_s"] = 2.0, 4.0
+    s[p + "sample_streamed_floor_s"], s[p + "rollout_streamed_floor_multiple"] = 3.0, 4 / 3
+    s[p + "rollout_ftis_forward_cpu_s"], s[p + "rollout_time_ratio_forward_step"] = 4.4, 0.909
+    rows = scale_summary_rows(s)
+    assert "against the streamed floor, weights read from memory every step: 1.33x" in rows[3]
+    text = "\n".join(scale_section(s))
+    assert "| 4.40 |" in text and "| 0.909 |" in text
+    assert "4.00 / 2.00 / 3.00" in text and "| 1.33x |" in text
+    # (3 - 2) / 4 of the rollout is the weights' trip through memory
+    assert "25% of the rollout's time is that trip" in text

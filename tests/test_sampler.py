@@ -340,3 +340,74 @@ def test_preallocated_cache_samples_exactly_what_dynamic_cache_samples(monkeypat
     slow = run()
     assert torch.equal(fast.completion_ids, slow.completion_ids)
     assert torch.equal(fast.logprobs, slow.logprobs)
+
+
+def _sample_both_ways(monkeypatch, model, prompts, **kw):
+    """The sampler with its direct decode step (rollout/decode.py) and with the model's own
+    forward for every step."""
+    import ftis.rollout.sampler as sampler_mod
+
+    def run():
+        return sampler_mod.sample(
+            model, prompts, num_samples=3, max_new_tokens=7, eos_id=-1, pad_id=0,
+            generator=torch.Generator().manual_seed(3), **kw,
+        )  # fmt: skip
+
+    fast = run()
+    with monkeypatch.context() as m:
+        m.setattr(sampler_mod, "decode_step", lambda model, attention: None)
+        slow = run()
+    return fast, slow
+
+
+@pytest.mark.parametrize(
+    "preset, prompts, kw",
+    [
+        ("llama-xs", [[1, 5, 6, 7], [1, 8], [1, 9, 9]], {}),  # left padding: a boolean mask
+        ("llama-xs", [[1, 5, 6], [1, 8, 4]], {}),  # no padding: no mask, SDPA's GQA path
+        ("qwen2-s", [[1, 5, 6, 7], [1, 8]], {}),  # q/k/v biases
+        ("llama-m", [[1, 5, 6, 7], [1, 8]], {"compute_dtype": torch.bfloat16}),
+        ("qwen2-s", [[1, 5, 6, 7], [1, 8]], {"temperature": 0.0}),
+    ],
+)
+def test_direct_decode_step_is_bit_identical_to_forward(monkeypatch, preset, prompts, kw):
+    from ftis.rollout.decode import decode_step
+
+    model = build_model(ModelConfig(preset=preset, init_seed=2))
+    assert decode_step(model, torch.ones(2, 3, dtype=torch.long)) is not None
+    fast, slow = _sample_both_ways(monkeypatch, model, prompts, **kw)
+    assert torch.equal(fast.completion_ids, slow.completion_ids)
+    assert torch.equal(fast.logprobs, slow.logprobs)
+
+
+def test_direct_decode_step_serves_a_lora_model_bit_identically(monkeypatch):
+    from ftis.models.config import LoraConfig
+    from ftis.models.loading import attach_lora
+    from ftis.rollout.decode import decode_step
+
+    cfg = ModelConfig(preset="llama-xs", init_seed=2)
+    model = attach_lora(build_model(cfg), LoraConfig(r=4))
+    # A non-zero adapter, so that skipping it would change the logits.
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5, generator=torch.Generator().manual_seed(0))
+    assert decode_step(model, torch.ones(2, 3, dtype=torch.long)) is not None
+    fast, slow = _sample_both_ways(monkeypatch, model, [[1, 5, 6, 7], [1, 8]])
+    assert torch.equal(fast.completion_ids, slow.completion_ids)
+    assert torch.equal(fast.logprobs, slow.logprobs)
+    with model.disable_adapter():
+        plain, _ = _sample_both_ways(monkeypatch, model, [[1, 5, 6, 7], [1, 8]])
+    assert not torch.equal(plain.logprobs, fast.logprobs)
+
+
+def test_direct_decode_step_declines_other_models():
+    from ftis.rollout.decode import decode_step
+
+    model = build_model(ModelConfig(preset="llama-xs"))
+    attention = torch.ones(2, 3, dtype=torch.long)
+    model.config._attn_implementation = "eager"
+    assert decode_step(model, attention) is None
+    model.config._attn_implementation = "sdpa"
+    model.config.model_type = "gemma"
+    assert decode_step(model, attention) is None
+    assert decode_step(torch.nn.Linear(2, 2), attention) is None

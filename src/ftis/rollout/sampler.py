@@ -17,6 +17,7 @@ import torch
 from ftis.models.logprobs import _cache_kwarg, position_ids_from_mask
 from ftis.models.precision import compute_context
 from ftis.rollout.cache import preallocated_cache
+from ftis.rollout.decode import decode_step
 
 
 @dataclass
@@ -197,6 +198,9 @@ def _sample_loop(
         cache.batch_select_indices(row_of)
         logits = logits[row_of]
     next_pos = positions[:, -1:] + 1
+    # One token per row per step: the model's layers called directly, bit-identical to forward
+    # (rollout/decode.py); None for architectures it does not serve.
+    step = decode_step(model, full_attn)
 
     tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
@@ -228,14 +232,17 @@ def _sample_loop(
         steps = t + 1
         if bool(done.all()) or t == max_new_tokens - 1:
             break
-        out = model(
-            input_ids=tokens[:, t : t + 1],
-            attention_mask=full_attn[:, : width + t + 1],
-            position_ids=next_pos,
-            **cache_kw,
-            use_cache=True,
-        )
-        logits = out.logits[:, -1, :]
+        if step is not None:
+            logits = step(tokens[:, t : t + 1], width + t + 1, next_pos, cache)
+        else:
+            out = model(
+                input_ids=tokens[:, t : t + 1],
+                attention_mask=full_attn[:, : width + t + 1],
+                position_ids=next_pos,
+                **cache_kw,
+                use_cache=True,
+            )
+            logits = out.logits[:, -1, :]
         next_pos = next_pos + 1
     return Samples(
         prompt_ids=prompt_ids,

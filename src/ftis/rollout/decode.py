@@ -1,0 +1,84 @@
+"""The sampler's decode step: one new token per row, without the model-level glue of `forward`.
+
+A decode step of transformers' Llama / Qwen2 `forward` spends about a sixth of its time outside
+the layers on `llama-20m` (docs/BENCHMARKS.md, section g): each call rebuilds the attention mask
+from the 2-D padding mask (`create_causal_mask`), wraps outputs in dataclasses and checks its
+arguments. Across a rollout the mask only grows by one attended position per step, so here it
+is a view of one preallocated boolean tensor, and the step calls the model's own modules in
+`forward`'s order: embedding, rotary embedding, every decoder layer, final norm, LM head. The
+arithmetic is therefore that of `forward` op for op, and the logits are bit-identical
+(tests/test_sampler.py checks tokens and log-probs with `torch.equal`, with and without padding,
+in f32 and under bf16 autocast, with a LoRA adapter).
+
+Only the architectures whose `forward` is exactly that sequence are served (model types llama
+and qwen2 with full attention in every layer, SDPA attention); for any other model
+:func:`decode_step` returns None and the sampler calls the model itself.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torch
+
+ARCHITECTURES = ("llama", "qwen2")
+
+
+def _base(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a peft wrapper (LoRA layers stay injected and active)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _supported(base: torch.nn.Module) -> bool:
+    cfg = getattr(base, "config", None)
+    if cfg is None or getattr(cfg, "model_type", None) not in ARCHITECTURES:
+        return False
+    if getattr(cfg, "_attn_implementation", None) != "sdpa":
+        return False
+    # Qwen2 with sliding-window layers gives those layers a different mask.
+    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
+        return False
+    inner = getattr(base, "model", None)
+    if not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm")):
+        return False
+    if not hasattr(base, "lm_head") or len(inner.layers) != cfg.num_hidden_layers:
+        return False
+    return "cache" in inspect.signature(inner.layers[0].forward).parameters
+
+
+def decode_step(
+    model: torch.nn.Module, attention: torch.Tensor
+) -> Callable[[torch.Tensor, int, torch.Tensor, object], torch.Tensor] | None:
+    """A function ``step(ids, seen, position_ids, cache) -> logits`` for `model`, or None.
+
+    ids: (N, 1) the last sampled tokens; seen: the number of positions after this step (prompt
+    width + tokens so far), so that ``attention[:, :seen]`` is the 2-D padding mask `forward`
+    would be given; position_ids: (N, 1); cache: the KV cache the prefill filled. Returns the
+    (N, V) logits of the next token. `attention` is the rollout's whole (N, width + T) mask,
+    allocated once; the step reads views of it."""
+    base = _base(model)
+    if not _supported(base):
+        return None
+    inner, head = base.model, base.lm_head
+    # forward passes no mask to SDPA when nothing is padded (then SDPA runs its GQA path); a
+    # padded batch gets the boolean (N, 1, 1, seen) mask of the attended positions.
+    padded = not bool(attention.all())
+    mask = attention.bool()[:, None, None, :] if padded else None
+
+    def step(ids: torch.Tensor, seen: int, position_ids: torch.Tensor, cache) -> torch.Tensor:
+        m = mask[..., :seen].contiguous() if padded else None
+        h = inner.embed_tokens(ids)
+        pe = inner.rotary_emb(h, position_ids=position_ids)
+        for layer in inner.layers:
+            h = layer(
+                h,
+                attention_mask=m,
+                position_embeddings=pe,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+            )
+        return head(inner.norm(h))[:, -1, :]
+
+    return step
