@@ -30,6 +30,7 @@ SUMMARY_KEYS = (
     "scale_update_mfu",
     "scale_rollout_floor_multiple",
     "scale_rollout_streamed_floor_multiple",
+    "scale_rollout_decode_floor_multiple",
     "scale_step_floor_multiple",
     "scale_update_floor_multiple",
     "scale_trl_step_time_ratio_bf16",
@@ -149,16 +150,25 @@ def markdown(r: dict) -> str:
         "128 sequences (16 prompts x 8), temperature 1, every completion forced to the full "
         "length (EOS suppressed on both sides). ftis records log-probs while sampling with a "
         "KV cache; the baseline is HF `generate` followed by a forward pass to score the "
-        "completions (the authors' code). Module: `bench/rollout.py`.",
+        "completions (the authors' code). Ablation, interleaved with both: ftis's sampler "
+        "calling the model's `forward` for every decode step instead of its direct decode step "
+        "(`ftis.rollout.decode`; same tokens, bit-identical log-probs). Module: "
+        "`bench/rollout.py`.",
         "",
-        "| completion length | ftis (s) | generate + score (s) | ratio |",
-        "|---|---|---|---|",
+        "| completion length | ftis (s) | generate + score (s) | ratio | ftis, forward per step (s) | direct step / forward |",
+        "|---|---|---|---|---|---|",
     ]
     for length in (16, 64):
         if f"rollout_ftis_s_len{length}" in ro:
+            fwd = ro.get(f"rollout_ftis_forward_s_len{length}")
             lines.append(
                 f"| {length} | {_f(ro[f'rollout_ftis_s_len{length}'])} | "
-                f"{_f(ro[f'rollout_hf_s_len{length}'])} | **{_f(ro[f'rollout_time_ratio_len{length}'])}** |"
+                f"{_f(ro[f'rollout_hf_s_len{length}'])} | **{_f(ro[f'rollout_time_ratio_len{length}'])}** | "
+                + (
+                    f"{_f(fwd)} | {_f(ro[f'rollout_ftis_s_len{length}'] / fwd)} |"
+                    if fwd
+                    else "- | - |"
+                )
             )
     lines += [
         "",

@@ -94,6 +94,13 @@ def _prompts(tok, n: int) -> list[list[int]]:
     return [task.prompt_ids(train[i], tok) for i in range(n)]
 
 
+def _prompt_width(c: ScaleConfig) -> int:
+    """The longest of the bench's prompts, in tokens (the sampler's left-padded width)."""
+    from ftis.models.presets import preset_tokenizer
+
+    return max(len(p) for p in _prompts(preset_tokenizer(c.preset), c.prompts))
+
+
 def _model(preset: str):
     from ftis.models.loading import ModelConfig, build_model, load_tokenizer
 
@@ -497,7 +504,40 @@ def matmul_peak(cfg: dict) -> dict:
             torch.nn.functional.linear(xs[w.shape[1]], w)
 
     out["decode_streamed_floor_s"] = bench(one_step, 1.0)[1]
+    if cfg.get("context"):
+        out["decode_attention_floor_s"] = _attention_floor(cfg, dtype, bench)
     return out
+
+
+def _attention_floor(cfg: dict, dtype, bench) -> float:
+    """One decode step's attention over a KV cache of `context` positions, every layer on its
+    own keys and values: the two products alone (q K^T, then the weights times V, batched
+    matmuls; no softmax, no mask), or torch's SDPA kernel if that is faster. A decode step must
+    read the whole cache once per layer, so at long contexts this is memory traffic the size of
+    the cache, on top of the weights'. The cost is linear in the context, so a rollout's is
+    this step's, at the mean context, times its length."""
+    import torch
+
+    s = model_shape(cfg["preset"])
+    n, ctx = cfg["decode_rows"], int(cfg["context"])
+    hd = s["hidden"] // s["heads"]
+    kv, g = s["kv_heads"], s["heads"] // s["kv_heads"]
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(n, kv, g, hd, generator=gen).to(dtype)
+    caches = [
+        tuple(torch.randn(n, kv, ctx, hd, generator=gen).to(dtype) for _ in "kv")
+        for _ in range(s["layers"])
+    ]
+
+    def products():
+        for k, v in caches:
+            torch.matmul(torch.matmul(q, k.transpose(-1, -2)), v)
+
+    def sdpa():
+        for k, v in caches:
+            torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    return min(bench(products, 1.0)[1], bench(sdpa, 1.0)[1])
 
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
@@ -679,13 +719,19 @@ def run(quick: bool, config: ScaleConfig | None = None) -> dict:
             )
 
         peak = child(
-            "matmul_peak", preset=c.preset, update_tokens=c.micro_batch * T, decode_rows=n, reps=5
+            "matmul_peak",
+            preset=c.preset,
+            update_tokens=c.micro_batch * T,
+            decode_rows=n,
+            reps=5,
+            context=_prompt_width(c) + T / 2,
         )
         out[p + "matmul_peak_flops"] = peak["update_peak_flops"]
         out[p + "matmul_decode_peak_flops"] = peak["decode_peak_flops"]
         out[p + "update_matmul_floor_s"] = peak["update_floor_s"] * n / c.micro_batch
         out[p + "sample_matmul_floor_s"] = peak["decode_floor_s"] * T
         out[p + "sample_streamed_floor_s"] = peak["decode_streamed_floor_s"] * T
+        out[p + "sample_attention_floor_s"] = peak["decode_attention_floor_s"] * T
         out[p + "update_flops_per_s"] = flops_u / out[p + "ftis_update_cpu_s"]
         out[p + "update_mfu"] = out[p + "update_flops_per_s"] / peak["update_peak_flops"]
         out[p + "sample_flops_per_s"] = flops_s / out[p + "rollout_ftis_cpu_s"]
@@ -701,6 +747,11 @@ def run(quick: bool, config: ScaleConfig | None = None) -> dict:
         )
         out[p + "rollout_streamed_floor_multiple"] = (
             out[p + "rollout_ftis_cpu_s"] / out[p + "sample_streamed_floor_s"]
+        )
+        # ... and against what a decode step cannot avoid: its matmuls with the weights read
+        # from memory, plus its attention over the cache.
+        out[p + "rollout_decode_floor_multiple"] = out[p + "rollout_ftis_cpu_s"] / (
+            out[p + "sample_streamed_floor_s"] + out[p + "sample_attention_floor_s"]
         )
         out[p + "update_floor_multiple"] = (
             out[p + "ftis_update_cpu_s"] / out[p + "update_matmul_floor_s"]
@@ -719,6 +770,7 @@ def run(quick: bool, config: ScaleConfig | None = None) -> dict:
     for key in (
         "rollout_floor_multiple",
         "rollout_streamed_floor_multiple",
+        "rollout_decode_floor_multiple",
         "step_floor_multiple",
         "update_floor_multiple",
     ):

@@ -48,8 +48,9 @@ def scale_summary_rows(s: dict) -> list[str]:
             f"| rollout CPU time / its matmul floor (same run), {name} at {at} tokens"
             + (
                 f" (against the streamed floor, weights read from memory every step: "
-                f"{both('rollout_streamed_floor_multiple', _x)})"
-                if f"len{lens[0]}_rollout_streamed_floor_multiple" in s
+                f"{both('rollout_streamed_floor_multiple', _x)}; against that plus attention's "
+                f"floor over the KV cache: {both('rollout_decode_floor_multiple', _x)})"
+                if f"len{lens[0]}_rollout_decode_floor_multiple" in s
                 else ""
             )
             + f" | {both('rollout_floor_multiple', _x)} | <= 1.25 |",
@@ -166,14 +167,17 @@ def scale_section(s: dict) -> list[str]:
         "decode steps run them, every weight of the model once per step in the model's order "
         "on its own tensor, so the weights come from memory as they must in sampling (the "
         "model's weights do not fit in the caches); what a sampler doing nothing but its "
-        "matmuls would take on this machine.",
+        "matmuls would take on this machine. `attention floor`: a decode step's two attention "
+        "products (q K^T, weights times V) over a KV cache of the rollout's mean context, every "
+        "layer on its own cache, or torch's SDPA kernel where faster, times the length: every "
+        "step must read the whole cache.",
         "",
-        "| length | matmul peak (GFLOP/s) | at decode shapes | update GFLOP/s | update utilisation | update s / matmul floor s | sampling GFLOP/s | sampling utilisation (of peak / of decode-shape peak) | sampling s / matmul floor s / streamed floor s | floor multiple: rollout / update / step | rollout / streamed floor |",
+        "| length | matmul peak (GFLOP/s) | at decode shapes | update GFLOP/s | update utilisation | update s / matmul floor s | sampling GFLOP/s | sampling utilisation (of peak / of decode-shape peak) | sampling s / matmul floor s / streamed floor s / attention floor s | floor multiple: rollout / update / step | rollout / streamed floor / streamed + attention floor |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for T in lens:
         p = f"len{T}_"
-        streamed = p + "sample_streamed_floor_s" in s
+        streamed = p + "sample_attention_floor_s" in s
         lines.append(
             f"| {T} | {s[p + 'matmul_peak_flops'] / 1e9:.1f} | {s[p + 'matmul_decode_peak_flops'] / 1e9:.1f} | "
             f"{s[p + 'update_flops_per_s'] / 1e9:.1f} | **{_pct(s[p + 'update_mfu'])}** | "
@@ -181,9 +185,18 @@ def scale_section(s: dict) -> list[str]:
             f"{s[p + 'sample_flops_per_s'] / 1e9:.1f} | {_pct(s[p + 'sample_mfu'])} / "
             f"{_pct(s[p + 'sample_mfu_decode_shapes'])} | "
             f"{s[p + 'rollout_ftis_cpu_s']:.2f} / {s[p + 'sample_matmul_floor_s']:.2f} / "
-            + (f"{s[p + 'sample_streamed_floor_s']:.2f}" if streamed else "-")
+            + (
+                f"{s[p + 'sample_streamed_floor_s']:.2f} / {s[p + 'sample_attention_floor_s']:.2f}"
+                if streamed
+                else "- / -"
+            )
             + f" | {_multiples(s, p)} | "
-            + (_x(s[p + "rollout_streamed_floor_multiple"]) if streamed else "-")
+            + (
+                f"{_x(s[p + 'rollout_streamed_floor_multiple'])} / "
+                f"{_x(s[p + 'rollout_decode_floor_multiple'])}"
+                if streamed
+                else "-"
+            )
             + " |"
         )
     pr = s["profile"]
@@ -235,21 +248,28 @@ def scale_section(s: dict) -> list[str]:
         "sampling and in the update.",
         "",
     ]
-    if h + "sample_streamed_floor_s" in s:
-        ro, fl, st = (
-            s[h + "rollout_ftis_cpu_s"],
-            s[h + "sample_matmul_floor_s"],
-            s[h + "sample_streamed_floor_s"],
-        )
+    for T in lens:
+        p = f"len{T}_"
+        if p + "sample_attention_floor_s" not in s:
+            continue
+        ro, fl = s[p + "rollout_ftis_cpu_s"], s[p + "sample_matmul_floor_s"]
+        st, at = s[p + "sample_streamed_floor_s"], s[p + "sample_attention_floor_s"]
+        rest = ro - st - at
         lines += [
-            f"The rollout's floor multiple, read apart: at {head} tokens the rollout takes "
-            f"{ro:.2f} s against a matmul floor of {fl:.2f} s ({_x(ro / fl)}). The same matmuls "
-            f"run as a decode step must run them, every weight read from memory once per step, "
-            f"take {st:.2f} s: {_pct((st - fl) / ro)} of the rollout's time is that trip of the "
-            "weights through memory, which no sampler of this batch size avoids in f32 (a larger "
-            "batch or bf16 weights would shrink it). Against the streamed floor the rollout is "
-            f"{_x(ro / st)}; the rest is attention over the KV cache ({_pct(pr['sample']['attention_share'])} "
-            "of the profiled sampling), norms, rotary embeddings and sampling.",
+            f"The rollout's floor multiple at {T} tokens, read apart: the rollout takes "
+            f"{ro:.2f} s against a matmul floor of {fl:.2f} s ({_x(ro / fl)}). Run as a decode "
+            f"step must run them, every weight read from memory once per step, the same matmuls "
+            f"take {st:.2f} s ({_pct((st - fl) / ro)} of the rollout's time is that trip of the "
+            f"weights through memory); attention over the KV cache cannot take less than "
+            f"{at:.2f} s ({_pct(at / ro)}). Together {st + at:.2f} s, which the rollout is "
+            f"{_x(ro / (st + at))} of; "
+            + (
+                f"the remaining {rest:.2f} s ({_pct(rest / ro)}) is norms, rotary embeddings, "
+                "activations, sampling and Python."
+                if rest > 0
+                else "nothing measurable is left over these floors (they were measured in "
+                "separate processes, each to a few percent)."
+            ),
             "",
         ]
     return lines

@@ -27,7 +27,11 @@ def test_quick_bench_emits_the_summary_keys(tmp_path):
     assert 0 < summary["scale_update_mfu"] <= 1.5  # a fraction of the measured matmul peak
     # each phase's time over its own matmul floor (same run): more than the floor, whatever the
     # machine (the floor leaves out attention, norms, sampling and Python)
-    keys = ("scale_rollout_floor_multiple", "scale_rollout_streamed_floor_multiple")
+    keys = (
+        "scale_rollout_floor_multiple",
+        "scale_rollout_streamed_floor_multiple",
+        "scale_rollout_decode_floor_multiple",
+    )
     for key in (*keys, "scale_step_floor_multiple"):
         assert isinstance(summary[key], float) and summary[key] > 1, key
     assert isinstance(summary["scale_trl_step_time_ratio_bf16"], float)

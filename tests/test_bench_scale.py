@@ -80,7 +80,11 @@ def test_matmul_peak_and_profile_workers():
     r = scale.matmul_peak(dict(preset="llama-xs", update_tokens=8, decode_rows=4, reps=1))
     assert r["update_peak_flops"] > 0 and r["decode_peak_flops"] > 0
     assert r["update_floor_s"] > 0 and r["decode_floor_s"] > 0
-    assert r["decode_streamed_floor_s"] > 0
+    assert r["decode_streamed_floor_s"] > 0 and "decode_attention_floor_s" not in r
+    r = scale.matmul_peak(
+        dict(preset="llama-xs", update_tokens=8, decode_rows=4, reps=1, context=5)
+    )
+    assert r["decode_attention_floor_s"] > 0
     p = scale.profile(dict(TINY, length=3))
     for phase in ("sample", "update"):
         q = p[phase]
@@ -151,11 +155,14 @@ def test_report_renders_the_streamed_floor_and_the_forward_ablation():
         s[p + k] = 1.25
     s[p + "sample_matmul_floor_s"], s[p + "rollout_ftis_cpu_s"] = 2.0, 4.0
     s[p + "sample_streamed_floor_s"], s[p + "rollout_streamed_floor_multiple"] = 3.0, 4 / 3
+    s[p + "sample_attention_floor_s"], s[p + "rollout_decode_floor_multiple"] = 0.5, 4 / 3.5
     s[p + "rollout_ftis_forward_cpu_s"], s[p + "rollout_time_ratio_forward_step"] = 4.4, 0.909
     rows = scale_summary_rows(s)
     assert "against the streamed floor, weights read from memory every step: 1.33x" in rows[3]
+    assert "plus attention's floor over the KV cache: 1.14x" in rows[3]
     text = "\n".join(scale_section(s))
     assert "| 4.40 |" in text and "| 0.909 |" in text
-    assert "4.00 / 2.00 / 3.00" in text and "| 1.33x |" in text
-    # (3 - 2) / 4 of the rollout is the weights' trip through memory
-    assert "25% of the rollout's time is that trip" in text
+    assert "4.00 / 2.00 / 3.00 / 0.50" in text and "| 1.33x / 1.14x |" in text
+    # (3 - 2) / 4 of the rollout is the weights' trip through memory, 0.5 / 4 attention
+    assert "(25% of the rollout's time is that trip" in text and "0.50 s (12%)" in text
+    assert "the remaining 0.50 s (12%) is norms" in text
