@@ -264,8 +264,10 @@ def scale_section(s: dict) -> list[str]:
             f"{at:.2f} s ({_pct(at / ro)}). Together {st + at:.2f} s, which the rollout is "
             f"{_x(ro / (st + at))} of; "
             + (
-                f"the remaining {rest:.2f} s ({_pct(rest / ro)}) is norms, rotary embeddings, "
-                "activations, sampling and Python."
+                f"the remaining {rest:.2f} s ({_pct(rest / ro)}) is everything else: norms, "
+                "rotary embeddings, activations, sampling, Python, and the matmuls themselves "
+                "running slower inside the model than in the floor's loop (section h times "
+                "them in place)."
                 if rest > 0
                 else "nothing measurable is left over these floors (they were measured in "
                 "separate processes, each to a few percent)."

@@ -165,4 +165,4 @@ def test_report_renders_the_streamed_floor_and_the_forward_ablation():
     assert "4.00 / 2.00 / 3.00 / 0.50" in text and "| 1.33x / 1.14x |" in text
     # (3 - 2) / 4 of the rollout is the weights' trip through memory, 0.5 / 4 attention
     assert "(25% of the rollout's time is that trip" in text and "0.50 s (12%)" in text
-    assert "the remaining 0.50 s (12%) is norms" in text
+    assert "the remaining 0.50 s (12%) is everything else: norms" in text
