@@ -61,8 +61,9 @@ QUICK = ScaleConfig(lengths=(64,), steps=1, rounds=1, rollout_reps=1, ablation=F
 # For tests: tiny shapes, same code paths.
 TINY = ScaleConfig(
     preset="llama-xs", prompts=2, group=2, micro_batch=2, lengths=(4,), steps=1, warmup=1,
-    rounds=1, rollout_reps=1, profile_length=4,
+    rounds=1, rollout_reps=1, profile_length=4, ablation=False,
 )  # fmt: skip
+# (the ablation workers are each run by tests/test_bench_scale.py; TINY skips their processes)
 
 
 # ----------------------------------------------------------------------------- in the child
