@@ -411,3 +411,25 @@ def test_direct_decode_step_declines_other_models():
     model.config.model_type = "gemma"
     assert decode_step(model, attention) is None
     assert decode_step(torch.nn.Linear(2, 2), attention) is None
+
+
+def test_a_model_whose_forward_is_overridden_samples_through_its_forward():
+    """A subclass that changes the logits in its forward must not be bypassed."""
+    from transformers import LlamaForCausalLM
+
+    from ftis.rollout.decode import decode_step
+
+    class OnlyTokenSeven(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = torch.full_like(out.logits, -1e4)
+            out.logits[..., 7] = 0.0
+            return out
+
+    base = build_model(ModelConfig(preset="llama-xs"))
+    model = OnlyTokenSeven(base.config)
+    model.load_state_dict(base.state_dict())
+    model.eval()
+    assert decode_step(model, torch.ones(2, 3, dtype=torch.long)) is None
+    s = sample(model, [[1, 5], [1, 8, 9]], num_samples=2, max_new_tokens=4, eos_id=-1, pad_id=0)
+    assert (s.completion_ids == 7).all()

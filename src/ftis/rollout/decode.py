@@ -10,9 +10,10 @@ arithmetic is therefore that of `forward` op for op, and the logits are bit-iden
 (tests/test_sampler.py checks tokens and log-probs with `torch.equal`, with and without padding,
 in f32 and under bf16 autocast, with a LoRA adapter).
 
-Only the architectures whose `forward` is exactly that sequence are served (model types llama
-and qwen2 with full attention in every layer, SDPA attention); for any other model
-:func:`decode_step` returns None and the sampler calls the model itself.
+Only the architectures whose `forward` is exactly that sequence are served (transformers'
+Llama and Qwen2 causal LMs, their `forward` not overridden, with full attention in every layer
+and SDPA attention); for any other model :func:`decode_step` returns None and the sampler calls
+the model itself.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from collections.abc import Callable
 import torch
 
 ARCHITECTURES = ("llama", "qwen2")
+# transformers' own forward methods, whose op sequence the decode step repeats.
+CAUSAL_LM_FORWARDS = ("LlamaForCausalLM.forward", "Qwen2ForCausalLM.forward")
+MODEL_FORWARDS = ("LlamaModel.forward", "Qwen2Model.forward")
 
 
 def _base(model: torch.nn.Module) -> torch.nn.Module:
@@ -42,6 +46,10 @@ def _supported(base: torch.nn.Module) -> bool:
     inner = getattr(base, "model", None)
     if not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm")):
         return False
+    # A subclass that overrides forward (to change the logits, say) must get its own forward.
+    for obj, own in ((base, CAUSAL_LM_FORWARDS), (inner, MODEL_FORWARDS)):
+        if getattr(type(obj).forward, "__qualname__", "") not in own:
+            return False
     if not hasattr(base, "lm_head") or len(inner.layers) != cfg.num_hidden_layers:
         return False
     return "cache" in inspect.signature(inner.layers[0].forward).parameters
