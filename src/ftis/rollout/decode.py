@@ -1,9 +1,10 @@
 """The sampler's decode step: one new token per row, without the model-level glue of `forward`.
 
-A decode step of transformers' Llama / Qwen2 `forward` spends about a sixth of its time outside
-the layers on `llama-20m` (docs/BENCHMARKS.md, section g): each call rebuilds the attention mask
-from the 2-D padding mask (`create_causal_mask`), wraps outputs in dataclasses and checks its
-arguments. Across a rollout the mask only grows by one attended position per step, so here it
+Each call of transformers' Llama / Qwen2 `forward` rebuilds the attention mask from the 2-D
+padding mask (`create_causal_mask`), wraps its outputs in dataclasses and checks its arguments:
+a fixed cost per decode step, which shows on tiny models and short contexts (the sampler took
+0.92x / 0.97x the time of the forward-per-step sampler at 16 / 64 tokens on `llama-m`,
+docs/BENCHMARKS.md section b) and is lost in the noise at `llama-20m` (section g). Across a rollout the mask only grows by one attended position per step, so here it
 is a view of one preallocated boolean tensor, and the step calls the model's own modules in
 `forward`'s order: embedding, rotary embedding, every decoder layer, final norm, LM head. The
 arithmetic is therefore that of `forward` op for op, and the logits are bit-identical
