@@ -82,9 +82,15 @@ def completion_logprobs(
     return gather_logprobs(logits, completion_ids, temperature=temperature)
 
 
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a peft wrapper (its LoRA layers stay injected and active);
+    any other model as it is."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def _cache_kwarg(model: torch.nn.Module) -> str:
     """transformers >= 5.2x names the KV-cache argument `cache`; older releases `past_key_values`."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 

@@ -24,15 +24,12 @@ from collections.abc import Callable
 
 import torch
 
+from ftis.models.logprobs import base_model
+
 ARCHITECTURES = ("llama", "qwen2")
 # transformers' own forward methods, whose op sequence the decode step repeats.
 CAUSAL_LM_FORWARDS = ("LlamaForCausalLM.forward", "Qwen2ForCausalLM.forward")
 MODEL_FORWARDS = ("LlamaModel.forward", "Qwen2Model.forward")
-
-
-def _base(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model inside a peft wrapper (LoRA layers stay injected and active)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _supported(base: torch.nn.Module) -> bool:
@@ -66,7 +63,7 @@ def decode_step(
     would be given; position_ids: (N, 1); cache: the KV cache the prefill filled. Returns the
     (N, V) logits of the next token. `attention` is the rollout's whole (N, width + T) mask,
     allocated once; the step reads views of it."""
-    base = _base(model)
+    base = base_model(model)
     if not _supported(base):
         return None
     inner, head = base.model, base.lm_head
