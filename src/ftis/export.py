@@ -4,7 +4,10 @@ The node is rebuilt exactly as a resume rebuilds it (its warm start from the cac
 if the cache was cleared; a preset's seeded initialisation; `model.path`), the checkpoint's
 weights are loaded into it, LoRA adapters are merged into the base (peft's merge_and_unload),
 and the result is saved with its tokenizer: `AutoModelForCausalLM.from_pretrained(OUT)` and
-`AutoTokenizer.from_pretrained(OUT)` load it with no ftis, peft or base model around.
+`PreTrainedTokenizerFast.from_pretrained(OUT)` load it with no ftis, peft or base model around.
+(`AutoTokenizer` does too, except where transformers rebuilds the model type's own tokenizer
+from the vocabulary, as transformers 5 does for qwen2: then the export's log and
+`ftis_export.json` (`tokenizer_loader`) say so, since that rebuild tokenizes otherwise.)
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def export_node(
     try:
         save_model(model, tmp)
         built.tokenizer.save_pretrained(tmp)
+        loader = _tokenizer_loader(tmp, built.tokenizer)
         (tmp / "ftis_export.json").write_text(
             json.dumps(
                 {
@@ -66,6 +70,7 @@ def export_node(
                     "step": step,
                     "checkpoint": str(ckpt),
                     "lora_merged": cfg.nodes[rank].model.lora is not None,
+                    "tokenizer_loader": loader,
                 },
                 indent=2,
             )
@@ -78,6 +83,24 @@ def export_node(
         raise
     log.info("exported %s step %d to %s", node, step, out)
     return out
+
+
+def _tokenizer_loader(path: Path, tok) -> str:
+    """The transformers class that loads the tokenizer saved in `path` as `tok` encodes:
+    "AutoTokenizer" when it does, else "PreTrainedTokenizerFast" (with a warning)."""
+    from transformers import AutoTokenizer
+
+    from ftis.models.loading import tokenizer_fingerprint
+
+    if tokenizer_fingerprint(AutoTokenizer.from_pretrained(path)) == tokenizer_fingerprint(tok):
+        return "AutoTokenizer"
+    log.warning(
+        "AutoTokenizer.from_pretrained(%s) rebuilds this model type's own tokenizer, which "
+        "encodes otherwise than the one the node trained with: load it with "
+        "PreTrainedTokenizerFast.from_pretrained(...) instead",
+        path.name,
+    )
+    return "PreTrainedTokenizerFast"
 
 
 def _checkpoint(node_dir: Path, step: int | None) -> Path:

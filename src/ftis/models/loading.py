@@ -6,6 +6,7 @@ The config classes live in ftis.models.config (no transformers import) and are r
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 
@@ -15,6 +16,7 @@ from transformers import (
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
 )
 
 from ftis.models.config import LoraConfig, ModelConfig
@@ -29,12 +31,62 @@ class ModelLoadError(ValueError):
     """A model or tokenizer could not be built or loaded; the message says why and what to do."""
 
 
+# The parts of a tokenizers pipeline that decide how text becomes ids and ids become text.
+PIPELINE = ("normalizer", "pre_tokenizer", "model", "post_processor", "decoder", "added_tokens")
+
+
+def _pipeline(backend_json: str) -> dict:
+    spec = json.loads(backend_json)
+    return {k: spec.get(k) for k in PIPELINE}
+
+
+def as_saved(tok: PreTrainedTokenizerBase, path: str) -> PreTrainedTokenizerBase:
+    """`tok` if it tokenizes as the `tokenizer.json` saved in `path`, else that file as it is.
+
+    transformers 5 builds some model types' tokenizers (qwen2 among them) from the vocabulary
+    and merges alone, with the model type's own pre-tokenizer, whatever `tokenizer.json` says:
+    a directory written by `save_pretrained` from another pipeline (ftis's embedded tokenizers,
+    a user's own) would come back encoding other ids. The saved file is what the weights were
+    trained with, so it wins, with a warning.
+    """
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file) or not getattr(tok, "is_fast", False):
+        return tok
+    with open(file, encoding="utf-8") as f:
+        saved = _pipeline(f.read())
+    if _pipeline(tok.backend_tokenizer.to_str()) == saved:
+        return tok
+    differ = [k for k in PIPELINE if _pipeline(tok.backend_tokenizer.to_str())[k] != saved[k]]
+    log.warning(
+        "%s: transformers' AutoTokenizer built a %s whose %s differ from the saved "
+        "tokenizer.json; using tokenizer.json as saved (load it the same way elsewhere: "
+        "PreTrainedTokenizerFast.from_pretrained(dir))",
+        path,
+        type(tok).__name__,
+        ", ".join(differ),
+    )
+    exact = PreTrainedTokenizerFast.from_pretrained(path)
+    if _pipeline(exact.backend_tokenizer.to_str()) != saved:
+        raise ModelLoadError(
+            f"cannot load the tokenizer saved in {path} as it was saved: transformers changes "
+            f"its {', '.join(differ)}; re-save it with save_pretrained from the tokenizer the "
+            "model was trained with"
+        )
+    return exact
+
+
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    """The node's tokenizer: a preset's embedded one, or the one saved with `model.path`,
+    encoding exactly as saved (`as_saved`)."""
     if cfg.preset is not None:
         return preset_tokenizer(cfg.preset)
     try:
         tok = AutoTokenizer.from_pretrained(cfg.path)
+        if os.path.isdir(cfg.path):
+            tok = as_saved(tok, cfg.path)
     except (OSError, ValueError) as e:
+        if isinstance(e, ModelLoadError):
+            raise
         raise ModelLoadError(
             f"cannot load a tokenizer from model.path={cfg.path!r}: {e}. Give a local directory "
             "written by save_pretrained, or a Hub name on a machine with network access."
@@ -117,11 +169,17 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
-    """Stable digest of a tokenizer's vocabulary and special ids: peers must agree on it."""
+    """Stable digest of a tokenizer: its vocabulary and special ids, and (for a fast tokenizer)
+    the pipeline that turns text into ids (normalizer, pre-tokenizer, model with its merges,
+    post-processor, decoder). Peers exchange token ids as they are only when it agrees: two
+    tokenizers with one vocabulary but another pre-tokenizer give other ids for the same text."""
     h = hashlib.sha256()
     for token, idx in sorted(tok.get_vocab().items(), key=lambda kv: kv[1]):
         h.update(f"{idx}\t{token}\n".encode())
     h.update(f"eos={tok.eos_token_id} pad={tok.pad_token_id}".encode())
+    if getattr(tok, "is_fast", False):
+        pipeline = _pipeline(tok.backend_tokenizer.to_str())
+        h.update(json.dumps(pipeline, sort_keys=True).encode())
     return h.hexdigest()[:16]
 
 
