@@ -125,6 +125,14 @@ class LossConfig(_Strict):
     hacpo_window: int = Field(
         5, ge=1, description="hacpo: training steps in the capability's moving average (K)."
     )
+    peer_dual_clip: float = Field(
+        3.0,
+        gt=1,
+        description="c: dual clip of peers' samples under the ratio methods (vis = grpo, "
+        "f-vis, reco, f-reco, gspo; exact and bridged paths): for A < 0 a peer's term is at "
+        "most c|A| and a ratio above c gets no gradient (docs/math.md §3.5). Own samples keep "
+        "the published term. 3 is dual-clip PPO's value; .inf turns it off.",
+    )
     beta: float = Field(
         0.0,
         ge=0,

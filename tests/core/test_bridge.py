@@ -75,6 +75,87 @@ def test_divergence_is_a_lower_bound_of_the_exact_statistic_on_identical_tokens(
     torch.testing.assert_close(bridged[1], torch.tensor(math.exp(0.3) - 1.3))
 
 
+@pytest.mark.parametrize("d", [-70.0, -30.0, -0.5, 0.5, 25.0])
+def test_divergence_is_not_clamped_and_equals_the_exact_statistic_on_equal_ratios(d):
+    # Every token has the log-ratio glp - lp = d: the bridged statistic equals the exact one
+    # (Jensen's equality) at any d, computed before the loss's clamp of the ratio at +-20:
+    # k3(-70) = e^-70 + 70 - 1 = 69 (not k3(-20) = 19), so a forgery that far out passes the
+    # filter's g = 50 on both paths. Above +20 both saturate alike (docs/math.md §4).
+    lp = torch.full((1, 3), -1.0)
+    glp = lp + d
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    exact = sequence_divergence(logprobs=lp, sampler_logprobs=glp, mask=mask)
+    bridged = bridged_divergence(
+        logprobs=lp, mask=mask, sampler_total=glp.sum(dim=1), sampler_length=torch.tensor([3])
+    )
+    torch.testing.assert_close(bridged, exact)
+    if d < 0:
+        torch.testing.assert_close(bridged, torch.tensor([math.expm1(d) - d]))
+
+
+def test_f_vis_filter_drops_a_far_forgery_on_the_bridged_path_as_on_the_exact_one():
+    # The sender reports -71 nats per token for tokens the receiver puts at -1: d = -70 per
+    # token, D = 69 > g = 50, A < 0: filtered on both paths (the bridged one used to see the
+    # clamped d = -20, D = 19, and kept it).
+    lp = torch.full((1, 3), -1.0, requires_grad=True)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    out = bridged_loss(
+        lp,
+        mask,
+        torch.tensor([-1.0]),
+        sampler_total=torch.tensor([-71.0 * 3]),
+        sampler_length=torch.tensor([3]),
+        method="vis",
+        use_filter=True,
+    )
+    assert out.filtered.tolist() == [True]
+    torch.testing.assert_close(out.divergence, torch.tensor([69.0]))
+    _, metrics = policy_loss(
+        lp, torch.full((1, 3), -71.0), torch.tensor([-1.0]), mask, method="f-vis"
+    )
+    assert metrics["filtered_frac"].item() == 1.0
+
+
+def test_vis_and_gspo_dual_clip_a_peer_ratio_above_c_for_a_negative_advantage():
+    # delta = +2 (sender -3 per token, receiver -1): s = e^2 = 7.39 > c = 3, A = -1: PPO's
+    # min takes s A = -7.39 (term +7.39, gradient weight 7.39); the dual clip takes
+    # max(-7.39, c A = -3) = -3: term +3, a constant. With c = 10 the ratio is under it and the
+    # published term (and gradient) is back. A > 0 is never dual-clipped.
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    for method in ("vis", "gspo"):
+        kw = dict(sampler_total=torch.tensor([-6.0]), sampler_length=torch.tensor([2]))
+        lp = torch.full((1, 2), -1.0, requires_grad=True)
+        out = bridged_loss(lp, mask, torch.tensor([-1.0]), method=method, **kw)
+        torch.testing.assert_close(out.per_sequence, torch.tensor([3.0]))
+        out.per_sequence.sum().backward()
+        assert lp.grad.abs().max().item() == 0.0
+        lp = torch.full((1, 2), -1.0, requires_grad=True)
+        out = bridged_loss(lp, mask, torch.tensor([-1.0]), method=method, peer_dual_clip=10.0, **kw)
+        torch.testing.assert_close(out.per_sequence, torch.tensor([math.exp(2.0)]))
+        out.per_sequence.sum().backward()
+        torch.testing.assert_close(lp.grad, torch.full((1, 2), math.exp(2.0) / 2))
+        lp = torch.full((1, 2), -1.0, requires_grad=True)
+        out = bridged_loss(lp, mask, torch.tensor([1.0]), method=method, **kw)
+        assert out.per_sequence.item() < 0  # A > 0: PPO's clipped branch, as published
+
+
+def test_shaping_replaces_the_vis_term_on_the_bridged_path():
+    # loss.shaping_gamma takes every token method's peer term on the bridged path, vis
+    # included (it used to keep vis's ratio term): -A mean_t f(p_t), f(p) = p / (p + gamma).
+    lp = torch.full((1, 2), -1.0, requires_grad=True)
+    out = bridged_loss(
+        lp,
+        torch.ones(1, 2, dtype=torch.bool),
+        torch.tensor([-1.0]),
+        sampler_total=torch.tensor([-41.0]),
+        sampler_length=torch.tensor([2]),
+        method="vis",
+        shaping_gamma=0.1,
+    )
+    p = math.exp(-1.0)
+    torch.testing.assert_close(out.per_sequence, torch.tensor([p / (p + 0.1)]))
+
+
 def test_tis_loss_value_and_gradient():
     # one sequence of 2 receiver tokens, A = 1.5, S_recv = -3, S_send = -3.5: w = e^0.5.
     # term = -w A g, g = mean_t exp(lp - sg lp) = 1: value -1.5 e^0.5;

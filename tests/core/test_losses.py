@@ -578,3 +578,81 @@ def test_tis_gradient_matches_formula(batch: tuple[torch.Tensor, ...], cap: floa
     lengths = mask.sum(dim=1, keepdim=True).clamp(min=1)
     expected = -weight * adv[:, None] * mask / (lengths * lp.shape[0])
     torch.testing.assert_close(grad, expected, atol=1e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The dual clip on peers' samples (docs/math.md §3.5).
+# ---------------------------------------------------------------------------------------------
+def dual_clip_example() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # one token per row, rho = (5, 2, 5, 0.5), A = (-1, -1, +1, -1); rows 0-2 a peer's,
+    # row 3 the receiver's own with rho 5 too (row 3 is checked in the next test).
+    lp = torch.tensor([[-1.0], [-1.0], [-1.0], [-1.0]], requires_grad=True)
+    glp = torch.tensor([[-1.0 - math.log(5)], [-1.0 - math.log(2)], [-1.0 - math.log(5)], [0.0]])
+    glp[3, 0] = -1.0 - math.log(5)
+    adv = torch.tensor([-1.0, -1.0, 1.0, -1.0])
+    return lp, glp, adv, torch.ones(4, 1, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("method", ["vis", "f-vis", "grpo", "gspo"])
+def test_dual_clip_bounds_a_peers_negative_advantage_term_by_hand(method: str) -> None:
+    # c = 3. Row 0 (peer, rho 5, A -1): PPO's min is 5 x -1 = -5 (weight 5); dual clip
+    # max(-5, 3 x -1) = -3: term +3, constant. Row 1 (peer, rho 2 < c): -min(-2, -1.2) = 2, its
+    # gradient weight 2 (unchanged). Row 2 (peer, A +1, rho 5): PPO's clip, -(1 + eps) = -1.2,
+    # constant (never dual-clipped). Row 3 (own, rho 5, A -1): the published term 5, weight 5.
+    # (gspo: eps_high 4e-4, so row 2 is -(1 + 4e-4).) Loss = mean over N = 4 rows.
+    lp, glp, adv, mask = dual_clip_example()
+    own = torch.tensor([False, False, False, True])
+    loss, metrics = policy_loss(lp, glp, adv, mask, method=method, own=own)
+    upper = 1.0004 if method == "gspo" else 1.2
+    close(loss, (3.0 + 2.0 - upper + 5.0) / 4, atol=1e-5)
+    loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([[0.0], [2.0], [0.0], [5.0]]) / 4)
+    # clip_frac counts rows 0 (dual) and 2 (PPO's clip); gspo's counts every sequence whose
+    # ratio is outside its (narrow) range, here all four
+    close(metrics["clip_frac"], 1.0 if method == "gspo" else 0.5)
+    # c = inf: the published term on every row
+    lp.grad = None
+    loss, _ = policy_loss(lp, glp, adv, mask, method=method, own=own, peer_dual_clip=math.inf)
+    close(loss, (5.0 + 2.0 - upper + 5.0) / 4, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["vis", "f-vis", "reco", "f-reco", "gspo", "hacpo"])
+def test_dual_clip_leaves_own_rows_bit_for_bit(method: str) -> None:
+    # Own rows (own True, or own None: all own) give the same value and gradient, bit for bit,
+    # with the dual clip at its default, off (inf) or tight (1.01).
+    lp, glp, adv, mask = dual_clip_example()
+    results = []
+    for own, c in (
+        (None, 3.0),
+        (torch.ones(4, dtype=torch.bool), 3.0),
+        (torch.ones(4, dtype=torch.bool), 1.01),
+        (None, math.inf),
+    ):
+        x = lp.detach().clone().requires_grad_(True)
+        loss, _ = policy_loss(x, glp, adv, mask, method=method, own=own, peer_dual_clip=c)
+        loss.backward()
+        results.append((loss.detach(), x.grad))
+    for loss, grad in results[1:]:
+        assert torch.equal(loss, results[0][0]) and torch.equal(grad, results[0][1])
+
+
+def test_reco_dual_clips_its_ratio_on_peers_rows() -> None:
+    # ReCo's variance ratio r = p(1-p) / (p0(1-p0)) for a peer's token with p = e^-1 and a
+    # forged p0 = e^-20.5 is ~1.5e8; A < 0 and the direction rule leave it unclipped (the step
+    # lowers p < 1/2, moving r back toward 1). The dual clip makes the term the constant c|A|.
+    lp = torch.tensor([[-1.0]], requires_grad=True)
+    glp = torch.tensor([[-20.5]])
+    args = (lp, glp, torch.tensor([-1.0]), torch.ones(1, 1, dtype=torch.bool))
+    loss, _ = policy_loss(*args, method="reco", own=torch.tensor([False]))
+    close(loss, 3.0)
+    loss.backward()
+    assert lp.grad.item() == 0.0
+    loss, _ = policy_loss(*args, method="reco", own=torch.tensor([True]))
+    assert loss.item() > 1e7  # own rows: the published term
+
+
+def test_peer_dual_clip_must_exceed_one() -> None:
+    lp, glp, adv, mask = dual_clip_example()
+    for c in (1.0, 0.5, float("nan")):
+        with pytest.raises(ValueError, match="peer_dual_clip"):
+            policy_loss(lp, glp, adv, mask, method="vis", peer_dual_clip=c)

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ftis.core.hacpo import gspo_term, peer_term
+from ftis.core.losses import PEER_DUAL_CLIP, dual_clip
 from ftis.core.shaping import luffy_weight
 
 # Log-ratios are clamped before exp, as in ftis.core.losses (docs/math.md §3.4).
@@ -47,16 +48,24 @@ def bridged_log_ratio(*, logprobs: Tensor, mask: Tensor, sampler_total: Tensor) 
     return d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
+def _mean_log_ratio(
+    logprobs: Tensor, mask: Tensor, sampler_total: Tensor, sampler_length: Tensor
+) -> Tensor:
+    """(N,) ``delta_i`` of `bridged_mean_log_ratio`, not clamped."""
+    s_recv = sequence_logprob(logprobs, mask)
+    l_recv = mask.sum(dim=1).clamp(min=1).to(s_recv.dtype)
+    l_send = sampler_length.detach().clamp(min=1).to(s_recv.dtype)
+    return s_recv / l_recv - sampler_total.detach().to(s_recv.dtype) / l_send
+
+
 def bridged_mean_log_ratio(
     *, logprobs: Tensor, mask: Tensor, sampler_total: Tensor, sampler_length: Tensor
 ) -> Tensor:
     """(N,) ``delta_i = S_recv / L_recv - S_send / L_send``: the length-normalised log-ratio,
     each total divided by that model's own token count (HACPO's; §16.2). With one tokenizer and
-    identical tokens it is GSPO's ``mean_t (lp - glp)`` exactly. Lengths are floored at 1."""
-    s_recv = sequence_logprob(logprobs, mask)
-    l_recv = mask.sum(dim=1).clamp(min=1).to(s_recv.dtype)
-    l_send = sampler_length.detach().clamp(min=1).to(s_recv.dtype)
-    d = s_recv / l_recv - sampler_total.detach().to(s_recv.dtype) / l_send
+    identical tokens it is GSPO's ``mean_t (lp - glp)`` exactly. Lengths are floored at 1.
+    Clamped to +-LOG_RATIO_CLAMP (it goes into exp)."""
+    d = _mean_log_ratio(logprobs, mask, sampler_total, sampler_length)
     return d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
@@ -78,11 +87,16 @@ def bridged_divergence(
     ``D_i = k3(d_i) = exp(d_i) - d_i - 1`` with ``d_i = -delta_i = S_send / L_send - S_recv /
     L_recv``, the per-token k3 estimator applied to the length-normalised log-ratio. With
     identical tokenizations it is at most the exact path's D_i (Jensen: k3 is convex), with
-    equality when every per-token log-ratio is the same."""
+    equality when every per-token log-ratio is the same.
+
+    ``d_i`` is *not* the clamped log-ratio of the loss: as on the exact path (§4) only the exp
+    argument is clamped, at +20 (k saturates, monotone, near 4.9e8 > any g), while for
+    ``d_i < 0`` k stays exact (``|d_i| - 1``), so a sender that reports its tokens far less
+    likely than the receiver finds them (a forged low report, §3.5) shows ``D_i`` beyond g and
+    not the clamp's 19."""
     with torch.no_grad():
-        d = -bridged_mean_log_ratio(
-            logprobs=logprobs, mask=mask, sampler_total=sampler_total, sampler_length=sampler_length
-        )
+        d = -_mean_log_ratio(logprobs, mask, sampler_total, sampler_length)
+        d = d.clamp(max=LOG_RATIO_CLAMP)
         return (torch.expm1(d) - d).clamp(min=0.0)
 
 
@@ -118,6 +132,7 @@ def bridged_loss(
     peer_clip_lower: float = 0.8,
     hacpo_alpha: float = 1.0,
     gspo_eps: tuple[float, float] = (3e-4, 4e-4),
+    peer_dual_clip: float = PEER_DUAL_CLIP,
 ) -> BridgedLoss:
     """Per-sequence loss terms of bridged (peer) sequences, docs/math.md §16.3.
 
@@ -126,16 +141,20 @@ def bridged_loss(
 
     - ``nois``: ``-A_i g_i`` (weight 1);
     - ``tis``:  ``-w_i A_i g_i``, ``w_i = min(exp(S_recv - S_send), C)`` detached;
-    - ``vis``:  ``-min(s_i A_i, clip(s_i, 1 - eps_c, 1 + eps_c) A_i)``, ``s_i = exp(delta_i)``;
+    - ``vis``:  ``-min(s_i A_i, clip(s_i, 1 - eps_c, 1 + eps_c) A_i)``, ``s_i = exp(delta_i)``,
+      dual-clipped for ``A_i < 0`` at ``c = peer_dual_clip`` (every bridged sequence is a
+      peer's: the term is at most ``c |A_i|`` and constant above it, §3.5);
     - ``gspo``: the same with GSPO's (eps_low, eps_high);
     - ``hacpo``: HACPO's peer term with ``s_i = exp(delta_i)`` (``ftis.core.hacpo.peer_term``);
-    - shaping (``shaping_gamma``, token methods): ``-(A_i / L_i) sum_t f(p_t)``, LUFFY's
-      ``f(p) = p / (p + gamma)`` of the receiver's own token probabilities, which need nothing
-      from the sender.
+    - shaping (``shaping_gamma``, token methods: nois, vis, tis): ``-(A_i / L_i) sum_t f(p_t)``,
+      LUFFY's ``f(p) = p / (p + gamma)`` of the receiver's own token probabilities, which need
+      nothing from the sender; it replaces the method's term, as on the exact path.
 
     ``use_filter``: a sequence with ``A_i <= 0`` and ``D_i > filter_threshold`` gets A_i = 0.
     Empty rows (no receiver token) contribute 0.
     """
+    if not peer_dual_clip > 1.0:
+        raise ValueError(f"peer_dual_clip must be > 1 (inf: off), got {peer_dual_clip}")
     if method not in BRIDGED_METHODS:
         raise ValueError(
             f"loss method {method!r} has no bridged form; bridged methods: "
@@ -155,7 +174,11 @@ def bridged_loss(
     g = on_policy.sum(dim=1) / lengths
     ones = torch.ones_like(adv)
     clipped = torch.zeros_like(filtered)
-    if method in ("vis", "gspo", "hacpo"):
+    if shaping_gamma is not None and method not in ("gspo", "hacpo"):
+        f = torch.where(mask, luffy_weight(lp, shaping_gamma), torch.zeros_like(lp))
+        per_seq = -adv * f.sum(dim=1) / lengths
+        weight = ones
+    elif method in ("vis", "gspo", "hacpo"):
         s = torch.exp(
             bridged_mean_log_ratio(
                 logprobs=lp, mask=mask, sampler_total=sampler_total, sampler_length=sampler_length
@@ -169,11 +192,8 @@ def bridged_loss(
         else:
             low, high = gspo_eps if method == "gspo" else (clip_eps, clip_eps)
             per_seq = gspo_term(s, adv, eps_low=low, eps_high=high)
+            per_seq, _ = dual_clip(per_seq, adv, peer_dual_clip, torch.ones_like(filtered))
             weight = s.detach()
-    elif shaping_gamma is not None:
-        f = torch.where(mask, luffy_weight(lp, shaping_gamma), torch.zeros_like(lp))
-        per_seq = -adv * f.sum(dim=1) / lengths
-        weight = ones
     elif method == "tis":
         weight = bridged_tis_weight(
             logprobs=lp, mask=mask, sampler_total=sampler_total, is_cap=is_cap

@@ -27,6 +27,7 @@ whole batch and passed in (``sequence_weights``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -41,6 +42,10 @@ from ftis.core.shaping import luffy_weight
 # Log-ratios are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exp (docs/math.md §3.4):
 # exp(20) ~ 4.9e8 is far beyond any cap or clip range, and finite in fp32.
 LOG_RATIO_CLAMP = 20.0
+# c of the dual clip on peers' samples (docs/math.md §3.5): for A < 0 a peer's ratio term is at
+# most c |A|, and a ratio above c gets no gradient. 3 is dual-clip PPO's value (Ye et al.
+# 2020) and verl's clip_ratio_c. ``LossConfig.peer_dual_clip``; inf turns it off.
+PEER_DUAL_CLIP = 3.0
 
 FilterStatNorm = Literal["sequence", "padded"]
 FilterMode = Literal["zero", "drop"]
@@ -82,6 +87,10 @@ class TokenTermInputs:
         clip_eps: eps_c, the VIS clip range.
         sampler_logprobs: (N, T) generator's log-probs, no grad; 0 at masked-out positions.
         reco: the switches of the ``reco`` term.
+        peer_dual_clip: c of the dual clip (docs/math.md §3.5), applied by the ratio terms
+            (``vis``, ``reco``) on ``peer_rows`` only.
+        peer_rows: (N, 1) bool, True on peers' sequences; None: no row is a peer's (the dual
+            clip is off).
     """
 
     logprobs: Tensor
@@ -91,6 +100,8 @@ class TokenTermInputs:
     clip_eps: float
     sampler_logprobs: Tensor
     reco: RecoOptions = RecoOptions()
+    peer_dual_clip: float = math.inf
+    peer_rows: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +121,32 @@ def _on_policy_factor(logprobs: Tensor) -> Tensor:
     return torch.exp(logprobs - logprobs.detach())
 
 
+def dual_clip(
+    term: Tensor, advantages: Tensor, c: float, rows: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    """The dual clip of a ratio loss term on ``rows`` (docs/math.md §3.5): ``min(l, -c A)``
+    where ``A < 0``, i.e. dual-clip PPO's ``max(min(rho A, clip(rho) A), c A)`` written for the
+    term ``l`` to minimise. Where it bites the term is the constant ``-c A`` (no gradient), so a
+    term whose gradient is ``q |A| grad lp`` (q the ratio) keeps ``q <= c`` wherever it has a
+    gradient. Other rows, and ``A >= 0``, keep ``l`` bit for bit.
+
+    Args:
+        term: (N, T) or (N,) loss terms.
+        advantages: broadcastable to ``term``, no grad.
+        c: the bound, > 1; ``inf`` returns ``term`` unchanged.
+        rows: bool, broadcastable to ``term``, True where the dual clip applies (peers'
+            sequences); None: nowhere.
+
+    Returns:
+        (the clipped term, bool where the dual clip was active, or None when it is off).
+    """
+    if rows is None or math.isinf(c):
+        return term, None
+    bound = -c * advantages.detach()
+    active = rows & (advantages < 0) & (term > bound)
+    return torch.where(active, bound.expand_as(term), term), active
+
+
 def nois_term(x: TokenTermInputs) -> TokenTermOutput:
     """NoIS: ``l = -exp(lp - sg(lp)) * A`` (docs/math.md §3.1). Every sample as on-policy."""
     return TokenTermOutput(per_token=-_on_policy_factor(x.logprobs) * x.advantages)
@@ -121,9 +158,11 @@ def vis_term(x: TokenTermInputs) -> TokenTermOutput:
     rho = torch.exp(x.log_ratio)
     unclipped = rho * x.advantages
     clipped = rho.clamp(1.0 - x.clip_eps, 1.0 + x.clip_eps) * x.advantages
-    return TokenTermOutput(
-        per_token=-torch.minimum(unclipped, clipped), clipped=clipped < unclipped
+    per_token, dual = dual_clip(
+        -torch.minimum(unclipped, clipped), x.advantages, x.peer_dual_clip, x.peer_rows
     )
+    ppo = clipped < unclipped
+    return TokenTermOutput(per_token=per_token, clipped=ppo if dual is None else ppo | dual)
 
 
 def tis_term(x: TokenTermInputs) -> TokenTermOutput:
@@ -156,6 +195,9 @@ def reco_term(x: TokenTermInputs) -> TokenTermOutput:
     clipped = ((r > 1.0 + eps) & (push > 0)) | ((r < 1.0 - eps) & (push < 0))
     free = r * _on_policy_factor(lp) * x.advantages
     per_token = -torch.where(clipped, r.clamp(1.0 - eps, 1.0 + eps) * x.advantages, free)
+    per_token, dual = dual_clip(per_token, x.advantages, x.peer_dual_clip, x.peer_rows)
+    if dual is not None:
+        clipped = clipped | dual
     if x.reco.tis:
         per_token = torch.exp(x.log_ratio.detach()).clamp(max=x.is_cap) * per_token
     return TokenTermOutput(per_token=per_token, clipped=clipped)
@@ -283,6 +325,7 @@ def policy_loss(
     hacpo_alpha: float = 1.0,
     gspo_eps_low: float = 3e-4,
     gspo_eps_high: float = 4e-4,
+    peer_dual_clip: float = PEER_DUAL_CLIP,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The policy loss of docs/math.md §3-§5, §8, §12 and §13.
 
@@ -340,6 +383,11 @@ def policy_loss(
             this optimizer update (``ftis.core.hacpo.peer_clip_lower``).
         hacpo_alpha: ``hacpo`` only: the stop-gradient power of the peer weight.
         gspo_eps_low, gspo_eps_high: ``gspo``/``hacpo``: GSPO's sequence clip range.
+        peer_dual_clip: c > 1 (``inf``: off), the dual clip on *peers'* sequences (``own``
+            False) under the ratio methods ``vis`` (``grpo``), ``reco`` and ``gspo`` and their
+            filtered variants (§3.5): for ``A_i < 0`` a peer's term is ``min(l, -c A_i)``, so
+            its weight never exceeds ``c |A_i|`` and a ratio above c gets no gradient. Own
+            sequences (and every sequence when ``own`` is None) keep the published term.
 
     Returns:
         ``(loss, metrics)``: loss a scalar tensor (fp32 or wider); metrics 0-dim tensors without
@@ -351,7 +399,8 @@ def policy_loss(
         D_i over non-empty sequences, reported for every method). ``hacpo`` adds ``peer_frac``
         (the fraction of this call's sequences that are peers') and ``peer_clipped_frac`` (the
         fraction that are peers' with a ratio outside [peer_clip_lower, 1], hence no gradient);
-        for the sequence methods ``clip_frac`` counts sequences, not tokens.
+        for the sequence methods ``clip_frac`` counts sequences, not tokens. ``clip_frac``
+        includes the peers' tokens (sequences) where the dual clip was active.
     """
     term_name, use_filter = resolve_method(method)
     if shaping_gamma is not None and not shaping_gamma > 0:
@@ -363,6 +412,7 @@ def policy_loss(
         )
     _check_inputs(logprobs, sampler_logprobs, advantages, mask)
     _check_options(is_cap, clip_eps, filter_threshold, filter_stat_norm, filter_mode)
+    _check_dual_clip(peer_dual_clip)
     _check_padded_width(padded_width)
     _check_sequence_weights(sequence_weights, logprobs.shape[0])
     if reco_clip not in RECO_CLIPS:
@@ -392,6 +442,7 @@ def policy_loss(
     if sequence_weights is not None:
         adv = adv * sequence_weights.detach().to(device=adv.device, dtype=adv.dtype)
     denominator = _loss_denominator(num_local, filtered, filter_mode, num_sequences, dtype=lp.dtype)
+    peer_rows = None if own is None else ~own.to(lp.device)
 
     if term_name in SEQUENCE_METHODS:
         return _sequence_loss(
@@ -405,6 +456,7 @@ def policy_loss(
             lower=peer_clip_lower,
             alpha=hacpo_alpha,
             eps=(gspo_eps_low, gspo_eps_high),
+            dual=(peer_dual_clip, peer_rows),
             denominator=denominator,
             base_metrics=dict(
                 log_ratio=log_ratio,
@@ -424,6 +476,8 @@ def policy_loss(
             clip_eps=clip_eps,
             sampler_logprobs=glp,
             reco=RecoOptions(token_ratio=reco_token_ratio, tis=reco_tis, clip=reco_clip),
+            peer_dual_clip=peer_dual_clip,
+            peer_rows=None if peer_rows is None else peer_rows[:, None],
         )
     )
     per_token = term.per_token
@@ -456,10 +510,12 @@ def _sequence_loss(
     lower: float,
     alpha: float,
     eps: tuple[float, float],
+    dual: tuple[float, Tensor | None],
     denominator: Tensor | float,
     base_metrics: dict,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """GSPO / HACPO: one ratio and one loss term per sequence, averaged over N (§12)."""
+    """GSPO / HACPO: one ratio and one loss term per sequence, averaged over N (§12).
+    ``dual``: (c, peers' rows) of GSPO's dual clip on peers' sequences (§3.5)."""
     ratio = gspo_ratio(lp, glp, mask)
     own_term = gspo_term(ratio, adv, eps_low=eps[0], eps_high=eps[1])
     with torch.no_grad():
@@ -472,7 +528,9 @@ def _sequence_loss(
             peer_out = ~is_own & ((ratio < lower) | (ratio > 1.0))
             clipped = torch.where(is_own, clipped, peer_out)
     else:
-        per_seq = own_term
+        per_seq, active = dual_clip(own_term, adv, *dual)
+        if active is not None:
+            clipped = clipped | active
     # an empty completion has no token to move: it contributes 0, as under the token methods
     per_seq = torch.where(mask.any(dim=1), per_seq, torch.zeros_like(per_seq))
     loss = per_seq.sum() / denominator
@@ -644,6 +702,14 @@ def _check_padded_width(padded_width: int | None) -> None:
         raise ValueError(
             f"padded_width must be an int >= 1 (the whole batch's padded completion width) or "
             f"None, got {padded_width!r}"
+        )
+
+
+def _check_dual_clip(c: float) -> None:
+    if not c > 1.0:
+        raise ValueError(
+            f"peer_dual_clip (c) must be > 1 (3 is dual-clip PPO's value; inf turns it off), "
+            f"got {c}"
         )
 
 

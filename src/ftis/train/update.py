@@ -180,6 +180,7 @@ def update(
             hacpo_alpha=loss_cfg.hacpo_alpha,
             gspo_eps_low=loss_cfg.gspo_eps_low,
             gspo_eps_high=loss_cfg.gspo_eps_high,
+            peer_dual_clip=loss_cfg.peer_dual_clip,
         )
         if not all_exact:
             base, use_filter = resolve_method(loss_cfg.method)
@@ -199,6 +200,7 @@ def update(
                 peer_clip_lower=lower,
                 hacpo_alpha=loss_cfg.hacpo_alpha,
                 gspo_eps=(loss_cfg.gspo_eps_low, loss_cfg.gspo_eps_high),
+                peer_dual_clip=loss_cfg.peer_dual_clip,
             )
             weights = out.per_sequence
             if sequence_weights is not None:
