@@ -125,6 +125,15 @@ class LossConfig(_Strict):
     hacpo_window: int = Field(
         5, ge=1, description="hacpo: training steps in the capability's moving average (K)."
     )
+    hacpo_max_reward: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="hacpo: the largest reward the node's reward gives; a capability-weighted "
+        "baseline above it falls back to the learner's own mean (docs/math.md §12). null: the "
+        "sum of the positive weights of the node's reward terms (each function taken to return "
+        "at most 1; ftis.core.hacpo.max_reward_of).",
+    )
     peer_dual_clip: float = Field(
         3.0,
         gt=1,

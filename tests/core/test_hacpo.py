@@ -13,6 +13,7 @@ from ftis.core.hacpo import (
     gspo_ratio,
     gspo_term,
     hacpo_advantages,
+    max_reward_of,
     peer_clip_lower,
     peer_term,
 )
@@ -200,3 +201,112 @@ def test_policy_loss_shaping_replaces_peer_token_term_only():
     )
     loss.backward()
     torch.testing.assert_close(lp.grad, torch.tensor([[-0.5], [-1 / 18]]))
+
+
+def test_max_reward_of_a_weighted_reward_is_the_sum_of_its_positive_weights():
+    assert max_reward_of([1.0]) == 1.0
+    assert max_reward_of([1.0, 0.5, -0.2]) == 1.5  # a penalty term is at most 0
+    assert max_reward_of([2.0], function_max=3.0) == 6.0
+    with pytest.raises(ValueError, match="positive finite"):
+        max_reward_of([-1.0, 0.0])
+
+
+def test_hacpo_baseline_under_a_weighted_reward_keeps_its_range():
+    # reward = 1 x correct + 0.5 x format: the largest reward is 1.5. Learner 0 with
+    # P = [0.5, 0.25]: w = [1, 2]; rewards [[1.5, 0], [1.5, 0]]: mu = (1.5 + 0 + 3 + 0) / 4
+    # = 1.125, inside [0, 1.5]: no fallback. sigma: mean .75, squares 4 x .5625 / 3 = .75 ->
+    # sqrt(.75) + 1e-6. The fixed max_reward = 1 took mu for out of range and fell back to the
+    # own mean 0.75 instead.
+    r = torch.tensor([[1.5, 0.0], [1.5, 0.0]])
+    cap = torch.tensor([0.5, 0.25])
+    sigma = math.sqrt(0.75) + 1e-6
+    a = hacpo_advantages(r, cap, 0, max_reward=max_reward_of([1.0, 0.5]))
+    torch.testing.assert_close(a, (r - 1.125) / sigma)
+    torch.testing.assert_close(hacpo_advantages(r, cap, 0), (r - 0.75) / sigma)
+
+
+def test_loss_config_hacpo_max_reward_and_peer_dual_clip():
+    from pydantic import ValidationError
+
+    from ftis.config import LossConfig
+
+    cfg = LossConfig(method="hacpo")
+    assert cfg.hacpo_max_reward is None and cfg.peer_dual_clip == 3.0
+    assert LossConfig(method="hacpo", hacpo_max_reward=1.5).hacpo_max_reward == 1.5
+    assert LossConfig(method="vis", peer_dual_clip=math.inf).peer_dual_clip == math.inf
+    for bad in ({"hacpo_max_reward": 0.0}, {"peer_dual_clip": 1.0}, {"peer_dual_clip": 0.5}):
+        with pytest.raises(ValidationError):
+            LossConfig(method="hacpo", **bad)
+
+
+def test_hacpo_kl_applies_to_own_sequences_only():
+    # loss.beta > 0 under hacpo: the k3 KL of the own rows, summed over them and divided by
+    # the batch's N (peers' rows count in N and add 0), as in the paper (docs/math.md §12, §14).
+    import copy
+
+    from ftis.config import LossConfig, TrainConfig
+    from ftis.core.kl import kl_penalty
+    from ftis.models.logprobs import completion_logprobs
+    from ftis.rollout.sampler import left_pad
+    from ftis.tasks import ArithmeticTaskConfig, build_task
+    from ftis.train import sampling
+    from ftis.train import update as update_mod
+    from tests.conftest import tiny_node
+
+    task = build_task(ArithmeticTaskConfig(ops={"+": 1.0}))
+    node = tiny_node("hacpo")
+    node.ref_model = copy.deepcopy(node.model).eval().requires_grad_(False)
+    problems = [task.split("train")[i] for i in range(2)]
+    batch = sampling.generate(
+        node, task, problems, slots=(0, 4), cfg=TrainConfig(max_new_tokens=5, group_size=4), step=1
+    )
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # move the model away from its reference
+        for p in node.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    n = batch.num_sequences
+    own = torch.arange(n) % 2 == 0
+    adv = torch.linspace(-1, 1, n)
+    loss_cfg = LossConfig(method="hacpo", beta=0.5)
+
+    def run(own_rows, beta):
+        nd = copy.deepcopy(node)
+        nd.optimizer = torch.optim.SGD(nd.model.parameters(), lr=0.0)
+        grads = {}
+        step = nd.optimizer.step
+
+        def capture():
+            grads["g"] = torch.cat([p.grad.flatten() for p in nd.model.parameters()])
+            step()
+
+        nd.optimizer.step = capture
+        cfg = loss_cfg.model_copy(update={"beta": beta})
+        m = update_mod.update(nd, task, batch, adv, loss_cfg=cfg, micro_batch_size=3, own=own_rows)
+        return m, grads["g"]
+
+    train = task.split("train")
+    prompts = [task.prompt_ids(train[i], node.tokenizer) for i in batch.prompt_index.tolist()]
+    ids, pmask = left_pad(prompts, node.tokenizer.pad_token_id)
+    kw = dict(
+        prompt_ids=ids,
+        prompt_mask=pmask,
+        completion_ids=batch.completion_ids,
+        completion_mask=batch.mask.long(),
+    )
+    with torch.no_grad():
+        lp = completion_logprobs(node.model, **kw)
+        ref = completion_logprobs(node.ref_model, **kw)
+    own_kl = float(
+        kl_penalty(lp, ref_logprobs=ref, mask=batch.mask & own[:, None], num_sequences=n)
+    )
+    all_kl = float(kl_penalty(lp, ref_logprobs=ref, mask=batch.mask, num_sequences=n))
+    assert 1e-4 < own_kl < all_kl
+    m, _ = run(own, 0.5)
+    assert m["kl"] == pytest.approx(own_kl, rel=1e-4)
+    # every row a peer's: the KL adds nothing, to the loss or to the gradient
+    peers = torch.zeros(n, dtype=torch.bool)
+    m, g_kl = run(peers, 0.5)
+    m0, g0 = run(peers, 0.0)
+    assert m["kl"] == 0.0
+    assert m["loss"] == pytest.approx(m0["loss"], abs=1e-7)
+    torch.testing.assert_close(g_kl, g0, atol=1e-7, rtol=1e-6)

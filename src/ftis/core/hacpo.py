@@ -17,6 +17,9 @@ bookkeeping across steps and live with the algorithm (ftis.algos.ftis.hacpo).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+
 import torch
 from torch import Tensor
 
@@ -110,7 +113,9 @@ def hacpo_advantages(
         rewards: (n, G) rewards, row j = agent j's completions of the prompt.
         capability: (n,) success rates P_j in [0, 1].
         learner: k, the row of the learner.
-        max_reward: the largest reward the task gives.
+        max_reward: the largest reward the learner's reward gives: 1 for one 0/1 function,
+            the sum of the positive weights for a weighted sum of such functions
+            (:func:`max_reward_of`; ``loss.hacpo_max_reward``).
     """
     if rewards.ndim != 2 or rewards.shape[0] != capability.shape[0]:
         raise ValueError(
@@ -129,6 +134,22 @@ def hacpo_advantages(
         mu = r[k].mean()
     sigma = r.flatten().std() + _SIGMA_EPS
     return (r - mu) / sigma
+
+
+def max_reward_of(weights: Iterable[float], function_max: float = 1.0) -> float:
+    """The largest reward a weighted sum of reward functions can give, for
+    :func:`hacpo_advantages`'s ``max_reward``: ``function_max`` times the sum of the positive
+    weights (each function taken to return a value in [0, function_max]; a negative weight's
+    term is at most 0). 1.0 for the default single function of weight 1. Raises when no weight
+    is positive (no reward above 0 exists, so there is no range for the baseline to leave)."""
+    ws = [float(w) for w in weights]
+    top = function_max * sum(max(w, 0.0) for w in ws)
+    if not top > 0 or not math.isfinite(top):
+        raise ValueError(
+            f"max_reward_of: the reward weights must include a positive finite one, got {ws!r} "
+            f"(function_max {function_max}); set loss.hacpo_max_reward explicitly"
+        )
+    return top
 
 
 def peer_clip_lower(update_index: int, lower: float = 0.8, step: float = 0.025) -> float:

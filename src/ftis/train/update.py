@@ -81,7 +81,8 @@ def update(
     loss_cfg.beta > 0 adds beta x the k3 KL to the node's reference (`Node.reference`), scored
     without grad per micro-batch at the same temperature, averaged like the loss (docs/math.md
     §14); every sequence then runs (zero-advantage ones have a KL gradient) and the metrics gain
-    `kl` (before beta; `loss` includes it).
+    `kl` (before beta; `loss` includes it). Under `hacpo` the KL covers the own sequences only
+    (`own`; peers' rows add 0 and still count in N), as in the paper.
 
     Bridged sequences (`batch.bridged`: a peer's on another tokenizer, docs/math.md §16) take
     the sequence-level terms of `ftis.core.bridge.bridged_loss` with the same global N; the
@@ -95,6 +96,7 @@ def update(
     n_total = batch.num_sequences
     reco = resolve_method(loss_cfg.method)[0] == "reco"
     beta = loss_cfg.beta
+    kl_own_only = resolve_method(loss_cfg.method)[0] == "hacpo"
     if sequence_weights is None:
         sequence_weights = response_weights(batch, loss_cfg, group_size=group_size)
     # Under a KL term (beta > 0) a zero-advantage sequence still has a gradient (its KL), so
@@ -234,10 +236,15 @@ def update(
                     completion_mask=mask.long(),
                     temperature=temperature,
                 )
+            kl_mask = mask.to(dev)
+            if kl_own_only and own is not None:
+                # HACPO: the KL term on the learner's own sequences only (the paper's); a
+                # peer's row counts in N but adds nothing (docs/math.md §12, §14)
+                kl_mask = kl_mask & own[sl].to(dev)[:, None]
             kl = kl_penalty(
                 logprobs,
                 ref_logprobs=ref_logprobs.to(dev),
-                mask=mask.to(dev),
+                mask=kl_mask,
                 num_sequences=n_total,
             )
             loss = loss + beta * kl
