@@ -72,14 +72,30 @@ def test_a_crashed_peer_is_waited_for_until_its_heartbeat_expires():
 
 def test_a_slow_live_peer_is_waited_for_until_the_deadline():
     board = MemoryBoard()
-    a, b = _transport(board, 0, deadline_s=0.5), _transport(board, 1)
+    a, b = _transport(board, 0, deadline_s=0.5), _transport(board, 1, deadline_s=0.5)
     a.ready(), b.ready()
-    assert a.exchange(1, b"x", max_bytes=10) == {}
+    # round 1: both publish; each is a member for the other from then on (issue 37: a peer
+    # is waited for to the deadline only once a payload of it has arrived)
+    _in_threads({p: (lambda t=t: t.exchange(1, b"1", max_bytes=10)) for p, t in enumerate((a, b))})
+    assert a.exchange(2, b"x", max_bytes=10) == {}
     assert a.last.timed_out and a.last.members == 1
-    # b publishes round 1 after a left it: counted as late at a's next round
-    b.exchange(1, b"y", max_bytes=10)
-    a.exchange(2, b"x", max_bytes=10)
+    # b publishes round 2 after a left it: counted as late at a's next round
+    b.exchange(2, b"y", max_bytes=10)
+    a.exchange(3, b"x", max_bytes=10)
     assert a.last.late == 1
+
+
+def test_a_peer_without_a_payload_yet_is_waited_for_a_short_grace_only():
+    """Issue 37: a live heartbeat alone makes a candidate, not a member: a round waits for it
+    `candidate_grace_s` at most, not `deadline_s`."""
+    board = MemoryBoard()
+    a = _transport(board, 0, deadline_s=10.0, candidate_grace_s=0.3)
+    b = _transport(board, 1)
+    a.ready(), b.ready()  # b never publishes
+    t0 = time.perf_counter()
+    assert a.exchange(1, b"x", max_bytes=10) == {}
+    assert time.perf_counter() - t0 < 3.0 and not a.last.timed_out
+    assert (a.last.members, a.last.candidates) == (0, 1)
 
 
 def test_records_of_another_round_or_peer_are_dropped_and_counted():
@@ -109,7 +125,9 @@ def test_a_late_joiner_starts_at_the_swarms_current_round():
     board = MemoryBoard()
     a, b = _transport(board, 0), _transport(board, 1)
     a.ready()
-    a._heartbeat("live", 7)  # a is in round 7
+    a._heartbeat("live", 7)  # a claims round 7, and no payload proves it (issue 37)
+    assert b.join_step(0) == 0
+    a.exchange(6, b"a6", max_bytes=10)  # a traded round 6 and is in round 7
     assert b.join_step(0) == 6  # b's first step is 7
     assert b.join_step(9) == 9  # its own checkpoint is newer: keep it
     a.close()
@@ -124,7 +142,7 @@ def test_hostile_heartbeats_are_rejected_and_counted_not_fatal():
     board = MemoryBoard()
     a, b = _transport(board, 0, deadline_s=0.5, max_round=50), _transport(board, 1)
     a.ready()
-    a._heartbeat("live", 7)
+    a.exchange(6, b"a6", max_bytes=10)  # a traded round 6, and claims round 7
     exp = board.now() + 60
     hostile = {
         2: ["live", "abc"],
@@ -146,13 +164,18 @@ def test_hostile_heartbeats_are_rejected_and_counted_not_fatal():
     # a did not wait for the forged peers 2-7: it got b's payload and was not timed out
     assert out == {1: b"b"} and not a.last.timed_out
     assert a.last.rejected == len(hostile) and a.rejected_records == len(hostile)
-    # Once a peer exchanges, its own round is the reference: a claim 101 rounds away is refused
-    board.publish("swarm:members", 3, ["live", 7 + 101], exp)
+    # Once peers exchange, the rounds their payloads prove (and this peer's own) are the
+    # reference: a well-formed claim more than max_round_skew (4) beyond it is refused
+    # (for b: the lower median of a's round 6, proven, and its own 7)
+    c = _transport(board, 3)
+    c._heartbeat("live", 6 + 5)
     assert 3 not in b.members()
-    board.publish("swarm:members", 3, ["live", 7 + 100], exp)
-    assert b.members()[3] == 107
+    c._heartbeat("live", 6 + 4)
+    assert b.members()[3] == 10
     # beyond the run's last round + 1 (max_round=50): no honest peer can be there
-    assert 3 not in a.members()
+    c._heartbeat("live", 52)
+    a.settings.max_round_skew = b.settings.max_round_skew = 100
+    assert 3 not in a.members() and b.members()[3] == 52
 
 
 def test_the_initial_peers_wait_for_each_other_at_the_start_barrier():
@@ -181,7 +204,8 @@ def test_the_start_barrier_times_out_and_the_slow_peer_joins_late():
     assert a.join_step(0) == 0
     assert a.barrier_missing == [1] and 0.25 < a.barrier_waited_s < 2.0
     a.ready()
-    a._heartbeat("live", 6)  # a trained alone up to round 6
+    for r in range(1, 6):  # a trained alone up to round 5, and is in round 6
+        a.exchange(r, b"a", max_bytes=10)
     b = _transport(board, 1, start_peers=frozenset({0, 1}), start_timeout_s=30.0)
     assert b.join_step(0) == 5  # a came: no wait; the swarm is ahead, b starts at round 6
     assert b.barrier_waited_s < 1.0
@@ -363,10 +387,14 @@ def test_a_peer_leaves_one_joins_late_and_rejoins_the_others_keep_training(
 
 
 def _wait_live(board: MemoryBoard, peer: int, timeout_s: float = 600.0) -> None:
+    from ftis.exchange.store import Signer
+    from ftis.exchange.swarm import open_heartbeat
+
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout_s:
         v = board.read("swarm:members").get(peer)
-        if v is not None and v[0] == "live":
+        beat = open_heartbeat(Signer(None), "swarm:members", peer, v, board.now())
+        if isinstance(beat, tuple) and beat[0] == "live":
             return
         time.sleep(0.02)
     raise AssertionError(f"peer {peer} never became live")
@@ -576,7 +604,7 @@ def test_simulated_peers_a_slow_one_is_late_and_counted_virtual_time_costs_nothi
             peer_id=p,
             max_peers=8,
             settings=SwarmSettings(
-                **settings, start_peers=start, publish_delay_s=25.0 if p == 2 else 0.0
+                **settings, start_peers=start, publish_delay_s=12.0 if p == 2 else 0.0
             ),
             clock=sched.clock,
         )
@@ -588,9 +616,12 @@ def test_simulated_peers_a_slow_one_is_late_and_counted_virtual_time_costs_nothi
         t = ts[p]
         t.join_step(0)
         t.ready()
-        for r in range(1, 5):
+        for r in range(1, 7):
+            t1 = sched.t
             got = t.exchange(r, bytes([p, r]), max_bytes=10)
-            infos[p].append((sorted(got), t.last.late, t.last.timed_out, t.last.published))
+            last = t.last
+            infos[p].append((sorted(got), last.late, last.timed_out, last.published, sched.t - t1))
+            sched.clock.sleep(5.0)  # sampling and training: 5 virtual seconds a round
         t.close()
 
     for p in range(3):
@@ -598,17 +629,21 @@ def test_simulated_peers_a_slow_one_is_late_and_counted_virtual_time_costs_nothi
     t0 = time.perf_counter()
     sched.run()
     assert time.perf_counter() - t0 < 5.0  # tens of virtual seconds of waiting
-    assert sched.t > 30.0
+    assert sched.t > 60.0
     assert all(task.error is None for task in sched.tasks)
-    # peer 0 never gets the slow peer's payloads in time: it waits for it until the deadline
-    # (virtual 10 s a round) and counts its round-1 payload as late once it lands (virtual
-    # 25 s, seen at peer 0's round 4 at 30 s); peer 2 took part in round 1 (published: 2), and
-    # lags behind from then on (it enters round 2 at 25 s, after peer 0 left it at 20 s)
-    assert [i[0] for i in infos[0]] == [[1]] * 4
-    assert all(i[2] for i in infos[0]) and [i[3] for i in infos[0]] == [2, 1, 1, 1]
-    assert [i[1] for i in infos[0]] == [0, 0, 0, 1]
+    # peer 0 never gets the slow peer's payloads in time (they land 12 s after it enters a
+    # round). Rounds 1 and 2: no payload of it has arrived yet, so it is a candidate and peer
+    # 0 waits `candidate_grace_s` (5 s) for it, not the deadline (issue 37); its round-1
+    # payload lands at 12 s, is counted late at round 3 and makes it a member: from then on
+    # peer 0 waits for it until the deadline (10 s) and counts each payload late. Peer 2 took
+    # part in round 1 (published: 2) and lags behind from then on.
+    assert [i[0] for i in infos[0]] == [[1]] * 6
+    assert [i[2] for i in infos[0]] == [False, False, True, True, True, True]
+    assert [round(i[4]) for i in infos[0]] == [5, 5, 10, 10, 10, 10]
+    assert [i[1] for i in infos[0]] == [0, 0, 1, 1, 1, 1]
+    assert [i[3] for i in infos[0]] == [2, 1, 1, 1, 1, 1]
     # the slow peer itself gets everyone's in time
-    assert [i[0] for i in infos[2]] == [[0, 1]] * 4
+    assert [i[0] for i in infos[2]] == [[0, 1]] * 6
 
 
 @pytest.mark.chaos_case("swarm sim", "crashed peer rejoins from its checkpoint")

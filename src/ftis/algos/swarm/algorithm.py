@@ -11,7 +11,8 @@
                 the default), or every present peer's (`groups: prompt`)
 
 Differences from `ftis`: no sharing scheme (nobody knows who will be there, so every peer
-samples whole groups); membership is whatever arrived; rounds are the shell's steps, and a
+samples whole groups); membership is whatever arrived (a peer is waited for as a member once
+a signed payload of it has arrived: `SwarmTransport`); rounds are the shell's steps, and a
 late joiner starts at the swarm's current round (`SwarmTransport.join_step`).
 """
 
@@ -43,6 +44,8 @@ class SwarmAlgorithm:
             "late_total": 0.0,
             "rejected_total": 0.0,
             "rejected_heartbeats_total": 0.0,
+            "forged_total": 0.0,
+            "dropped_silent_total": 0.0,
         }
         self._barrier_reported = False
         # every peer samples whole groups of the same prompts: its own noise, not the run's
@@ -134,6 +137,8 @@ class SwarmAlgorithm:
             self.totals["stale_total"] += info.stale
             self.totals["late_total"] += info.late
             self.totals["rejected_heartbeats_total"] += info.rejected
+            self.totals["forged_total"] += info.forged
+            self.totals["dropped_silent_total"] += info.dropped
             out.update(
                 {
                     "swarm/members": float(info.members),
@@ -145,6 +150,11 @@ class SwarmAlgorithm:
                     "swarm/late_total": self.totals["late_total"],
                     "swarm/rejected_heartbeats": float(info.rejected),
                     "swarm/rejected_heartbeats_total": self.totals["rejected_heartbeats_total"],
+                    "swarm/candidates": float(info.candidates),
+                    "swarm/forged": float(info.forged),
+                    "swarm/forged_total": self.totals["forged_total"],
+                    "swarm/dropped_silent": float(info.dropped),
+                    "swarm/dropped_silent_total": self.totals["dropped_silent_total"],
                 }
             )
             if info.published is not None:  # the simulator: peers that sent this round at all

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ftis.algos import AlgorithmConfig
+
+# The swarm's shared secret (hex), in the environment of every peer process: `ftis run` draws one
+# per run (or passes on the one given) and hands it to its peers here, never on a command line.
+SWARM_SECRET_ENV = "FTIS_SWARM_SECRET"
+MIN_SECRET_BYTES = 16
 
 
 class ChurnConfig(BaseModel):
@@ -102,6 +109,17 @@ class SwarmConfig(AlgorithmConfig):
         per peer on hivemind's DHT on loopback (the `swarm` extra).
     churn: node name -> when it joins, leaves, crashes, rejoins, or is slow (`ftis run`
         carries it out); `churn.random` generates a schedule for the other peers (RandomChurn).
+    candidate_grace_s: the longest a round waits for a candidate: a peer whose signed heartbeat
+        says live but whose payload has not arrived yet (a member, proven by a payload, is
+        waited for up to deadline_s).
+    silent_rounds: a peer waited for in this many consecutive rounds without a valid payload
+        is dropped (`swarm/dropped_silent`) until a payload of it arrives.
+    max_round_skew: a round claim more than this beyond the rounds the members' payloads prove
+        is not believed (rejected and counted), unless a payload of that peer proves it.
+    secret_file: a file holding the swarm's shared secret (hex, at least 16 bytes), with which
+        every record is signed. Needed when the swarm spans machines or peers are started by
+        hand (every peer must have the same); FTIS_SWARM_SECRET in the environment wins over
+        it. Without either, `ftis run` draws a secret per run for the peers it starts.
     """
 
     kind: Literal["swarm"] = "swarm"
@@ -121,6 +139,35 @@ class SwarmConfig(AlgorithmConfig):
     initial_peers: list[str] = Field(default_factory=list)
     churn: dict[str, ChurnConfig] = Field(default_factory=dict)
     random_churn: RandomChurn | None = None
+    candidate_grace_s: float = Field(5.0, gt=0)
+    silent_rounds: int = Field(3, ge=1)
+    max_round_skew: int = Field(4, ge=1)
+    secret_file: str | None = None
+
+    def shared_secret(self) -> bytes | None:
+        """The swarm's shared secret: FTIS_SWARM_SECRET, else `secret_file`'s (hex); None
+        when neither is given."""
+        from ftis.config import ConfigError
+
+        raw, source = os.environ.get(SWARM_SECRET_ENV, "").strip(), SWARM_SECRET_ENV
+        if not raw and self.secret_file:
+            source = f"algorithm.secret_file ({self.secret_file})"
+            try:
+                raw = Path(self.secret_file).expanduser().read_text().strip()
+            except OSError as e:
+                raise ConfigError(f"cannot read the swarm secret: {source}: {e}") from None
+        if not raw:
+            return None
+        try:
+            secret = bytes.fromhex(raw)
+        except ValueError:
+            secret = b""
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ConfigError(
+                f"the swarm secret in {source} must be hex, at least {MIN_SECRET_BYTES} bytes: "
+                "e.g. python -c 'import secrets; print(secrets.token_hex(32))'"
+            )
+        return secret
 
     @model_validator(mode="before")
     @classmethod
@@ -172,3 +219,12 @@ class SwarmConfig(AlgorithmConfig):
                         f"algorithm.churn.{n}.{f}={v} is not before the last round "
                         f"(train.steps={steps}): choose a round below {steps}"
                     )
+
+
+def membership_settings(a: SwarmConfig) -> dict[str, Any]:
+    """The `SwarmSettings` fields of the membership rules (docs/swarm.md), from the config."""
+    return {
+        "candidate_grace_s": a.candidate_grace_s,
+        "silent_rounds": a.silent_rounds,
+        "max_round_skew": a.max_round_skew,
+    }

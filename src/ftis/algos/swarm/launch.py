@@ -11,6 +11,9 @@
                 reaches their `join_at`; stopped at `leave_at` (or killed: `crash`); restarted
                 with --resume at `rejoin_at`
     rows        the standard run directory: metrics.jsonl (step = the swarm's round), nodes/
+    secret      the swarm's shared secret (signs every record; docs/swarm.md): the configured
+                one (algorithm.secret_file or FTIS_SWARM_SECRET), else one drawn for this run,
+                handed to the peers in their environment (FTIS_SWARM_SECRET)
 
 The swarm's round is the newest step any peer reported (RUN_DIR/.status/<node>.json). A peer
 that left or crashed as the schedule said counts as finished; one that failed otherwise fails
@@ -33,8 +36,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ftis.algos.swarm.config import ChurnConfig, SwarmConfig
-from ftis.config import RunConfig
+from ftis.algos.swarm.config import SWARM_SECRET_ENV, ChurnConfig, SwarmConfig
+from ftis.config import ConfigError, RunConfig
+from ftis.exchange.store import new_secret
 from ftis.launch.multi import INTERRUPTED, LaunchError, MultiResult, NodesLostError
 from ftis.launch.stop import GRACE_S, die_with_parent, interrupt_on_sigterm, reaping_orphans
 from ftis.train.checkpoint import checkpoint_step
@@ -105,6 +109,16 @@ def run_swarm(
     from ftis.algos.swarm.sim import write_schedule
 
     churn = resolve_churn(cfg)
+    # Every record is signed with the swarm's secret, which reaches the peers in their
+    # environment (never on a command line): the configured one, else one drawn for this run.
+    secret = a.shared_secret()
+    if secret is None and a.initial_peers:
+        raise ConfigError(
+            "algorithm.initial_peers names a swarm started elsewhere: its peers sign their "
+            f"records with its shared secret; give it here too (algorithm.secret_file, or "
+            f"{SWARM_SECRET_ENV} in the environment)"
+        )
+    secret = secret or bytes.fromhex(new_secret())
     write_schedule(run_dir, churn, cfg.train.steps)
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -124,7 +138,7 @@ def run_swarm(
         for n in cfg.nodes:
             step = checkpoint_step(run_dir / "nodes" / n.name)
             truncate_run_rows(run_dir, n.name, after_step=step)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", SWARM_SECRET_ENV: secret.hex()}
     env.setdefault("OMP_NUM_THREADS", "1")
     peers = [_Peer(n.name, churn[n.name]) for n in cfg.nodes]
     names = [n.name for n in cfg.nodes]
@@ -229,6 +243,7 @@ def run_swarm(
                                     f"ftis-swarm:{cfg.name}",
                                     names.index(p.name),
                                     ttl_s=a.member_ttl_s,
+                                    secret=secret,
                                 )
                     time.sleep(POLL_S)
         except KeyboardInterrupt:

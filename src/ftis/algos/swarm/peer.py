@@ -12,6 +12,10 @@ every initial peer is up (at most `algorithm.start_timeout_s`), so that they sta
 together. On another machine, listen on a
 reachable address with --host 0.0.0.0 --port PORT --announce /ip4/THIS_IP/tcp/PORT.
 
+Every record the peer writes is signed with the swarm's shared secret: FTIS_SWARM_SECRET (hex;
+`ftis run` sets it for the peers it starts) or the file `algorithm.secret_file` names. A peer
+without one refuses to start (exit 2): its records would be refused by the others.
+
 Exit codes: 0 finished, 130 left (SIGINT/SIGTERM or --leave-at) after a checkpoint, 2 a user
 error (the message is in RUN_DIR/logs/<NAME>.error).
 """
@@ -44,11 +48,20 @@ def build_transport(
 ):
     """This peer's DHT node and swarm transport (hivemind; loopback unless told otherwise).
     start_barrier: this peer is one of the swarm's initial peers and starts with them."""
+    from ftis.algos.swarm.config import SWARM_SECRET_ENV, membership_settings
     from ftis.algos.swarm.schedule import resolve_churn
     from ftis.exchange.dht import DHTBoard
     from ftis.exchange.swarm import SwarmSettings, SwarmTransport
 
     a = cfg.algorithm
+    secret = a.shared_secret()
+    if secret is None:
+        raise ConfigError(
+            f"no swarm secret: every peer signs its records with the swarm's shared secret. "
+            f"`ftis run` hands its peers one in {SWARM_SECRET_ENV}; for a peer started by hand "
+            f"(or on another machine) give `ftis run` and every peer the same one: "
+            f"algorithm.secret_file, or {SWARM_SECRET_ENV} (hex) in their environment"
+        )
     slow_s = resolve_churn(cfg)[cfg.nodes[rank].name].slow_s
     extra = {"announce_maddrs": announce} if announce else {}
     board = DHTBoard(
@@ -68,6 +81,8 @@ def build_transport(
         start_timeout_s=a.start_timeout_s,
         max_round=cfg.train.steps,
         publish_delay_s=slow_s,
+        **membership_settings(a),
+        secret=secret,
     )
     return SwarmTransport(
         board, peer_id=rank, max_peers=a.max_peers, settings=settings, should_stop=stop

@@ -30,9 +30,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ftis.algos.swarm.config import ChurnConfig, SwarmConfig
+from ftis.algos.swarm.config import ChurnConfig, SwarmConfig, membership_settings
 from ftis.algos.swarm.schedule import presence, resolve_churn
 from ftis.config import RunConfig
+from ftis.exchange.store import new_secret
 from ftis.exchange.swarm import SwarmSettings, SwarmTransport
 from ftis.exchange.swarm_sim import Scheduler, SimBoard, SimTask
 from ftis.launch.multi import INTERRUPTED, LaunchError, MultiResult, NodesLostError
@@ -93,6 +94,8 @@ def run_sim(
             truncate_run_rows(run_dir, n.name, after_step=step)
     sched = Scheduler()
     board = SimBoard(sched, max_value_bytes=int(a.max_payload_mb * 2**20))
+    # every record is signed, as on the DHT: the configured secret, else one for this run
+    secret = a.shared_secret() or bytes.fromhex(new_secret())
     start_ids = a.start_peers(cfg)
     peers = [_SimPeer(n.name, i, churn[n.name]) for i, n in enumerate(cfg.nodes)]
 
@@ -108,6 +111,8 @@ def run_sim(
             start_timeout_s=a.start_timeout_s,
             max_round=cfg.train.steps,
             publish_delay_s=p.churn.slow_s,
+            **membership_settings(a),
+            secret=secret,
         )
         transport = SwarmTransport(
             board.view(),
