@@ -330,6 +330,15 @@ class ExchangeConfig(_Strict):
             "it declares the peer lost and carries on without it."
         ),
     )
+    max_missed: int = Field(
+        3,
+        ge=1,
+        description=(
+            "Consecutive rounds a live peer's payload may be missing (overwritten or deleted "
+            "in the store, or later than timeout_s) before the peer is dropped; each miss skips "
+            "the peer for that round only (exchange/missed_payloads)."
+        ),
+    )
     on_store_lost: Literal["stop", "continue"] = Field(
         "stop",
         description=(

@@ -134,13 +134,18 @@ def test_a_silent_peer_is_dropped_after_the_timeout(store):
     assert 0.4 < waited < 5, waited
 
 
-def test_a_stalled_peer_is_dropped_after_the_timeout(store):
-    """Heartbeat alive but no payload (stuck in a step): dropped after timeout_s."""
+def test_a_stalled_peer_is_skipped_then_dropped(store):
+    """Heartbeat alive but no payload (stuck in a step): skipped for each round after
+    timeout_s, dropped after max_missed (3) rounds in a row."""
     _, client = store
     ms, exs = _group(client, 2, timeout_s=0.5)
     _round(exs, 0)
-    got = _round(exs, 1, skip=(1,))
-    assert got[0][1] is None and "no payload" in ms[0].lost[1]
+    for step in (1, 2):
+        got = _round(exs, step, skip=(1,))
+        assert got[0][1] is None and 1 not in ms[0].lost
+        assert exs[0].last_stats.extra["missed_payloads"] == step
+    got = _round(exs, 3, skip=(1,))
+    assert got[0][1] is None and "no payload" in ms[0].lost[1] and "3 rounds" in ms[0].lost[1]
 
 
 def test_a_lost_store_stops_the_node_with_a_resume_hint(store):
@@ -273,3 +278,103 @@ def test_a_payload_above_the_stores_value_limit_travels_in_chunks(store):
     t.join(60)
     assert got[1][0] == big and got[0][1] == b"s"
     assert ms[0].forged == ms[1].forged == 0
+
+
+# ---- a store no stranger can break (issue 37) ---------------------------------------------------
+
+
+def _listeners() -> dict[int, str]:
+    """port -> local address of every listening TCP socket (IPv4 and IPv6) on this machine."""
+    import ipaddress
+
+    out = {}
+    for name, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        try:
+            lines = open(name).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            if state != "0A":  # LISTEN
+                continue
+            addr, port = local.split(":")
+            raw = bytes.fromhex(addr)
+            if width == 8:
+                ip = ipaddress.IPv4Address(raw[::-1])
+            else:  # four little-endian 32-bit words
+                ip = ipaddress.IPv6Address(b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4)))
+            out[int(port, 16)] = str(ip)
+    return out
+
+
+@pytest.mark.chaos_case("F-TIS", "non-loopback listener")
+def test_the_store_listens_on_loopback_only():
+    server, _, port = host_store()
+    try:
+        assert _listeners()[port] == "127.0.0.1"  # torch's own server would listen on 0.0.0.0
+    finally:
+        del server
+
+
+def test_a_store_off_loopback_needs_a_secret(monkeypatch):
+    from ftis.exchange.store import SECRET_ENV, connect_store
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "192.0.2.1")  # TEST-NET: never reached, refused first
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    with pytest.raises(PeerGroupError, match=f"needs a shared secret.*{SECRET_ENV}"):
+        connect_store(5.0)
+
+
+@pytest.mark.chaos_case("F-TIS", "hostile store write")
+def test_a_hostile_heartbeat_write_is_counted_and_ignored(store):
+    """Issue 37: `set('hb/1', 'abc')` from outside made the server fail every later `add` of
+    rank 1's heartbeat; its thread died silently and both nodes stopped with 'the store's host
+    is gone'. Heartbeats are signed values now: the junk is counted, the run goes on."""
+    _, client = store
+    signer = Signer(bytes.fromhex(new_secret()))
+    ms, exs = _group(client, 2, timeout_s=20.0, signer=signer)  # a beat every 2 s
+    _round(exs, 0)
+    outsider = client()
+    outsider.set("hb/1", "abc")
+    outsider.set("hb/0", b"\xff" * 9)
+    assert ms[0].why_gone(1) is None and ms[1].why_gone(0) is None  # junk is not a sign of death
+    assert ms[0].forged == ms[1].forged == 1
+    ms[0].beat()
+    ms[1].beat()  # what the heartbeat threads do next: the junk is replaced
+    for step in range(1, 4):
+        got = _round(exs, step)
+        assert got[0][1] is not None and got[1][0] is not None
+    assert exs[0].last_stats.extra["forged_records"] == 1
+    assert not ms[0].lost and not ms[1].lost
+    assert ms[0]._thread.is_alive() and ms[1]._thread.is_alive()
+    assert ms[0].heartbeat_errors == ms[1].heartbeat_errors == 0
+
+
+@pytest.mark.chaos_case("F-TIS", "overwritten payload")
+def test_an_overwritten_payload_skips_the_peer_for_one_round(store):
+    """Issue 37: overwriting a posted payload left the genuine one gone; both nodes dropped
+    each other after timeout_s and trained alone to the end. The heartbeat says the peer
+    posted, so the reader skips that peer for this round at once, and collaborates next round."""
+    _, client = store
+    signer = Signer(bytes.fromhex(new_secret()))
+    ms, exs = _group(client, 2, timeout_s=60, signer=signer)
+    _round(exs, 0)
+    got = {}
+    t = threading.Thread(target=lambda: got.__setitem__(1, exs[1].all_gather(peer_batch(1, 1))))
+    t.start()
+    outsider = client()
+    deadline = time.monotonic() + 10
+    while ms[0].peer_posted(1) < 1 and time.monotonic() < deadline:  # rank 1 posted step 1
+        time.sleep(0.005)
+    outsider.set("x/1/1", b"junk over rank 1's payload")
+    t0 = time.monotonic()
+    got[0] = exs[0].all_gather(peer_batch(0, 1))
+    t.join(30)
+    assert time.monotonic() - t0 < 5  # not the 60 s timeout
+    assert got[0][1] is None and got[1][0] is not None
+    assert exs[0].last_stats.extra["missed_payloads"] == 1 and not ms[0].lost
+    got = _round(exs, 2)  # collaborating again
+    assert got[0][1] is not None and got[1][0] is not None

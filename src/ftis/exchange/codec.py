@@ -215,6 +215,10 @@ class RolloutExchange:
                 "decode_seconds": t3 - t2,
                 "peers": float(len(raw)),
                 "lost_peers": float(len(after.lost)),
+                # cumulative: peers skipped for a round, records that failed authentication
+                "missed_payloads": float(after.missed),
+                "forged_records": float(after.forged),
+                "heartbeat_errors": float(after.heartbeat_errors),
             },
         )
         return out

@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ftis.exchange.store import gloo_on_loopback
 from ftis.exchange.transport import TransportStats, rank_from_env
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ def init_process_group_from_env(
     if backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    gloo_on_loopback()
     dist.init_process_group(
         backend,
         init_method="env://",

@@ -32,7 +32,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ftis.exchange.store import HOSTED_ENV, PeerGroupError, Signer, _prefix, read_left
+from ftis.exchange.store import (
+    HOSTED_ENV,
+    PeerGroupError,
+    Signer,
+    _prefix,
+    gloo_on_loopback,
+    read_left,
+)
 from ftis.exchange.transport import TransportStats, rank_from_env
 
 log = logging.getLogger(__name__)
@@ -104,6 +111,7 @@ class NeighbourChannel:
             local = int(os.environ.get("LOCAL_RANK", rank))
             torch.cuda.set_device(local % torch.cuda.device_count())
             device = torch.device("cuda", torch.cuda.current_device())
+        gloo_on_loopback()
         if not dist.is_initialized():
             dist.init_process_group(
                 backend,

@@ -12,7 +12,8 @@ machine (`TORCHELASTIC_USE_AGENT_STORE`), or by rank 0 when the variables come f
 Keys, under the prefix `ftis/` (plus torchrun's run id and restart count):
 
     hello/<rank>       what the node must agree on with its peers, and its first RL step
-    hb/<rank>          heartbeat counter, bumped every `heartbeat_s` by a background thread
+    hb/<rank>          heartbeat "<beats> <last step posted>", rewritten every `heartbeat_s` by
+                       a background thread and right after each payload is posted
     ready/<rank>       set once the node's model is built (after any warm start)
     x/<step>/<rank>    the node's payload of that step (deleted two steps later)
     left/<rank>        set when the node exits (by itself, or by the launcher when it dies)
@@ -21,26 +22,37 @@ Every value a node or the launcher `set`s is authenticated: HMAC-SHA256 over key
 with the run's secret, which the launcher hands its children in the environment
 (`FTIS_STORE_SECRET`, never on the command line). A value whose tag does not verify (written
 by something outside the run) is ignored and counted (`forged`): it cannot mark a peer as left,
-stand in for a payload or a handshake. (Heartbeats are counters, `add`, and cannot be signed:
-a forged beat can only delay a lost peer's detection until its payload's timeout.) Without a
-secret (a hand-started torchrun group) values travel unsigned, as before, with a warning.
+stand in for a payload, a heartbeat or a handshake. Every record is a value that ftis `set`s and
+`get`s: the store never parses one (torch's `add` would, and a stranger's `set('hb/1', 'abc')`
+made every later `add` fail on the server), so no record of the wrong type reaches torch.
+Without a secret (a hand-started torchrun group on one machine) values travel unsigned, with a
+warning; a store on an address other than loopback refuses to start without one.
+
+The store listens on loopback (127.0.0.1) unless MASTER_ADDR names another address (a multi-host
+group): torch's own server listens on every interface, so ftis binds the socket itself and hands
+it over (`master_listen_fd`).
 A payload larger than `CHUNK_BYTES` travels in chunks `x/<step>/<rank>/<i>` below torch's
 per-value limit, with `x/<step>/<rank>` naming their count; a reader accepts at most as many
 chunks as `max_bytes` allows.
 
-A peer is lost when (a) `left/<peer>` exists, (b) its heartbeat has not moved for `timeout_s`
-(the process or its machine is gone), or (c) it is ready but its payload of the current step
-has not arrived within `timeout_s` (it stalled). Payloads are bytes validated by
-`ftis.exchange.wire`, never pickles.
+A peer is lost when (a) an authentic `left/<peer>` exists, or (b) its heartbeat has not moved
+for `timeout_s` (the process or its machine is gone). A payload that is not there is *missed*,
+not lost: when the peer's heartbeat says it posted the step but no authentic payload is there
+(overwritten or deleted by something outside the run), at once; when it is ready and alive but
+its payload has not arrived within `timeout_s` (it stalled), after that wait. A missed payload
+skips the peer for that round (counted); `max_missed` consecutive misses drop it (c). Payloads
+are bytes validated by `ftis.exchange.wire`, never pickles.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 import secrets
+import socket
 import struct
 import threading
 import time
@@ -126,12 +138,66 @@ def _prefix() -> str:
     return "ftis"
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address) resolves to a loopback address."""
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except socket.gaierror:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def gloo_on_loopback() -> None:
+    """Make gloo (torch.distributed's CPU backend) listen on the loopback interface when the
+    group's MASTER_ADDR is loopback (one machine) and the user did not choose an interface
+    (GLOO_SOCKET_IFNAME): gloo otherwise binds the address of the machine's hostname."""
+    if os.environ.get("GLOO_SOCKET_IFNAME") or not is_loopback(
+        os.environ.get("MASTER_ADDR", "127.0.0.1")
+    ):
+        return
+    for _, name in socket.if_nameindex():
+        if name == "lo" or name.startswith("lo0"):
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            return
+
+
+def listen_socket(host: str, port: int = 0) -> tuple[int, int]:
+    """(file descriptor, port) of a TCP socket listening on `host` only (port 0: the OS picks),
+    for torch's TCPStore server, which would otherwise listen on every interface."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach(), port  # the store owns the descriptor from now on
+
+
+def _server(host: str, port: int, *, timeout: timedelta, world_size=None) -> dist.TCPStore:
+    fd, port = listen_socket(host, port)
+    try:
+        return dist.TCPStore(
+            host,
+            port,
+            world_size=world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timeout,
+            master_listen_fd=fd,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def host_store(host: str = "127.0.0.1") -> tuple[dist.Store, dist.Store, int]:
-    """Start a store server in this process: (server, prefixed view, port). `ftis run` hosts
-    the store of a one-machine run, so that it outlives every node."""
-    server = dist.TCPStore(
-        host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
+    """Start a store server in this process, listening on `host` only: (server, prefixed view,
+    port). `ftis run` hosts the store of a one-machine run, so that it outlives every node."""
+    server = _server(host, 0, timeout=timedelta(seconds=60))
     return server, dist.PrefixStore(_prefix(), server), server.port
 
 
@@ -161,16 +227,28 @@ def connect_store(timeout_s: float) -> tuple[dist.Store, int, int]:
         or os.environ.get(HOSTED_ENV) == "1"
     )
     addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
-    try:
-        store = dist.TCPStore(
-            addr,
-            int(port),
-            world_size=None if hosted else world_size,
-            is_master=not hosted and rank == 0,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=max(1.0, min(timeout_s, 300.0))),
+    if not os.environ.get(SECRET_ENV) and not is_loopback(addr):
+        raise PeerGroupError(
+            f"MASTER_ADDR={addr} is not a loopback address: a group across machines needs a "
+            f"shared secret, or anyone who reaches the port can write its store. Set {SECRET_ENV} "
+            "to the same hex string on every node (e.g. the output of `python -c 'import "
+            "secrets; print(secrets.token_hex(32))'`), given through the environment, never on "
+            "a command line"
         )
-    except (RuntimeError, ValueError) as e:
+    timeout = timedelta(seconds=max(1.0, min(timeout_s, 300.0)))
+    try:
+        if not hosted and rank == 0:  # this rank hosts the store: on MASTER_ADDR only
+            store = _server(addr, int(port), timeout=timeout, world_size=world_size)
+        else:
+            store = dist.TCPStore(
+                addr,
+                int(port),
+                world_size=None if hosted else world_size,
+                is_master=False,
+                wait_for_workers=False,
+                timeout=timeout,
+            )
+    except (RuntimeError, ValueError, OSError) as e:
         raise PeerGroupError(
             f"cannot reach the store at MASTER_ADDR={addr} MASTER_PORT={port} ({e}); check that "
             "rank 0's machine is up and the port is open (and free, on rank 0)"
@@ -201,9 +279,14 @@ class Membership:
         self.heartbeat_s = max(0.05, min(2.0, timeout_s / 10))
         self.lost: dict[int, str] = {}
         self._beats: dict[int, tuple[int, float]] = {}
+        self._posted: dict[int, int] = {}  # peer -> the last step its heartbeat says it posted
         self._stop = threading.Event()
         self._broken = False
-        store.add(f"hb/{rank}", 1)
+        self._beat_lock = threading.Lock()
+        self._beat_count = 0
+        self.posted = -(2**62)  # the last step this node posted (heartbeats carry it)
+        self.heartbeat_errors = 0  # beats the store refused (the thread reports and goes on)
+        self.beat()
         self._thread = threading.Thread(target=self._beat, name="ftis-heartbeat", daemon=True)
         self._thread.start()
 
@@ -218,6 +301,8 @@ class Membership:
         if value is None:
             digest = hashlib.sha256(sealed).digest()
             if (key, digest) not in self._forged_seen:
+                if len(self._forged_seen) > 100_000:  # a flood: remember the recent ones only
+                    self._forged_seen.clear()
                 self._forged_seen.add((key, digest))
                 self.forged += 1
                 log.warning(
@@ -231,12 +316,53 @@ class Membership:
     def set(self, key: str, value: bytes | str, *, store: dist.Store | None = None) -> None:
         (store or self.store).set(key, self.signer.seal(key, value))
 
+    def beat(self, *, posted: int | None = None) -> None:
+        """Write this node's heartbeat, "<beats> <last step posted>", signed: a `set`, never
+        torch's `add`, so a stranger's value under the key cannot make the store fail it."""
+        with self._beat_lock:
+            if posted is not None:
+                self.posted = max(self.posted, posted)
+            self._beat_count += 1
+            self.set(f"hb/{self.rank}", f"{self._beat_count} {self.posted}")
+
     def _beat(self) -> None:
+        failing = False
         while not self._stop.wait(self.heartbeat_s):
             try:
-                self.store.add(f"hb/{self.rank}", 1)
-            except RuntimeError:  # the store is gone; the main thread finds out on its own
-                return
+                self.beat()
+            except Exception as e:  # report, count, and keep beating: never die silently
+                self.heartbeat_errors += 1
+                if not failing:
+                    log.warning(
+                        "rank %d: the store refused a heartbeat (%s: %s); retrying every %.2g s",
+                        self.rank,
+                        type(e).__name__,
+                        e,
+                        self.heartbeat_s,
+                    )
+                failing = True
+            else:
+                if failing:
+                    log.warning("rank %d: heartbeats go through again", self.rank)
+                failing = False
+
+    def peer_posted(self, peer: int) -> int:
+        """The last step `peer`'s authentic heartbeat says it posted (very negative if none)."""
+        self._read_beat(peer)
+        return self._posted.get(peer, -(2**62))
+
+    def _read_beat(self, peer: int) -> int | None:
+        """The beat count of `peer`'s authentic heartbeat (None: absent, forged or malformed);
+        records the step it says it posted."""
+        raw = self.get(f"hb/{peer}")
+        if raw is None:
+            return None
+        try:
+            beat, posted = (int(x) for x in raw.split())
+        except ValueError:
+            return None
+        self._posted[peer] = max(posted, self._posted.get(peer, posted))
+        return beat
 
     def gather(self, value: str, *, timeout_s: float | None = None) -> list[str]:
         """Every rank's `value` (the group-forming handshake). Raises PeerGroupError when a
@@ -267,22 +393,21 @@ class Membership:
                 pause = min(2 * pause, _POLL_MAX_S)
         return [out[p] for p in range(self.world_size)]
 
-    def why_gone(self, peer: int, *, waiting_since: float | None) -> str | None:
-        """Why `peer` counts as lost now, or None while it may still answer."""
+    def why_gone(self, peer: int) -> str | None:
+        """Why `peer` counts as lost now (it left, or its authentic heartbeat has not moved for
+        `timeout_s`), or None while it may still answer. A forged heartbeat is not a beat."""
         if peer in self.lost:
             return self.lost[peer]
         now = time.monotonic()
         why = self.get(f"left/{peer}")
         if why is not None:
             return f"it left ({why.decode(errors='replace')})"
-        beat = int(self.store.add(f"hb/{peer}", 0))
+        beat = self._read_beat(peer)
         last = self._beats.get(peer)
-        if last is None or last[0] != beat:
-            self._beats[peer] = (beat, now)
+        if last is None or (beat is not None and last[0] != beat):
+            self._beats[peer] = (beat if beat is not None else -1, now)
         elif now - last[1] > self.timeout_s:
             return f"no heartbeat for {now - last[1]:.0f} s"
-        if waiting_since is not None and now - waiting_since > self.timeout_s:
-            return f"no payload within {self.timeout_s:g} s (exchange.timeout_s)"
         return None
 
     def drop(self, peer: int, reason: str, *, step: int) -> None:
@@ -340,9 +465,13 @@ class StoreTransport:
         on_store_lost: what to do when the store itself becomes unreachable (its host died):
             "stop" (default) raises TransportLost, so the node checkpoints and stops with a
             message saying how to resume; "continue" drops every peer and goes on alone.
+        max_missed: consecutive rounds a live peer's payload may be missed (overwritten,
+            deleted, or late by `timeout_s`) before it is dropped; each miss skips the peer
+            for that round only (counted in `stats.missed`).
 
     `exchange` returns the payload of every live peer that takes part in the round; a peer that
-    is lost is absent (and stays lost). A payload over `max_bytes` comes back as None.
+    is lost or missed is absent (a lost one stays lost). A payload over `max_bytes` comes back
+    as None.
     """
 
     def __init__(
@@ -352,7 +481,10 @@ class StoreTransport:
         first_steps: list[int],
         should_stop: Callable[[], bool] | None = None,
         on_store_lost: str = "stop",
+        max_missed: int = 3,
     ) -> None:
+        if max_missed < 1:
+            raise ValueError(f"max_missed must be >= 1, got {max_missed}")
         if len(first_steps) != membership.world_size:
             raise ValueError(
                 f"first_steps has {len(first_steps)} entries, world is {membership.world_size}"
@@ -366,8 +498,10 @@ class StoreTransport:
         self.first_steps = first_steps
         self.should_stop = should_stop or (lambda: False)
         self.on_store_lost = on_store_lost
+        self.max_missed = max_missed
         self.stats = TransportStats(lost=membership.lost)
         self._ready_seen: dict[int, float] = {}
+        self._misses: dict[int, int] = {}  # peer -> consecutive rounds missed
         self._chunks: dict[int, int] = {}  # step -> chunks this node posted for it
 
     def ready(self) -> None:
@@ -392,6 +526,8 @@ class StoreTransport:
                 self._store_lost(e, step=round_)
         self.stats.seconds += time.perf_counter() - t0
         self.stats.bytes_sent += len(payload)
+        self.stats.forged = self.m.forged
+        self.stats.heartbeat_errors = self.m.heartbeat_errors
         out: dict[int, bytes | None] = {}
         for p, data in raw.items():
             if data is None:  # more chunks than max_bytes allows: not even read
@@ -408,10 +544,19 @@ class StoreTransport:
 
     def _store_lost(self, err: Exception, *, step: int) -> None:
         if self.on_store_lost == "stop":
+            if _answers(self.store):
+                what = (
+                    f"the exchange's store failed a request at round {step} ({err}) although "
+                    "its host still accepts connections (a bug, or something outside the run "
+                    "wrote to it)"
+                )
+            else:
+                what = (
+                    f"the exchange's store became unreachable at round {step} ({err}): its host "
+                    "(the `ftis run` process, or torchrun's agent on the master machine) is gone"
+                )
             raise TransportLost(
-                f"the exchange's store became unreachable at round {step} ({err}): its host "
-                "(the `ftis run` process, or torchrun's agent on the master machine) is gone. "
-                "This node stops rather than silently train alone; resume the run with "
+                f"{what}. This node stops rather than silently train alone; resume the run with "
                 "`ftis run --resume RUN_DIR` once every node can reach a store again, or set "
                 "exchange.on_store_lost=continue to let nodes carry on alone"
             ) from err
@@ -432,6 +577,23 @@ class StoreTransport:
             )
         self._chunks[step] = n
         self.m.set(key, _CHUNKED + _CHUNK_INDEX.pack(n, len(payload)), store=self.store)
+
+    def _miss(self, peer: int, step: int, why: str) -> None:
+        """`peer`'s payload of `step` is missed: skip it this round; drop it after
+        `max_missed` consecutive misses."""
+        self.stats.missed += 1
+        n = self._misses[peer] = self._misses.get(peer, 0) + 1
+        log.warning(
+            "rank %d: skipped peer %d in round %d: %s (%d of %d consecutive misses allowed)",
+            self.rank,
+            peer,
+            step,
+            why,
+            n,
+            self.max_missed,
+        )
+        if n >= self.max_missed:
+            self.m.drop(peer, f"{why}, {n} rounds in a row", step=step)
 
     def _retract(self, step: int) -> None:
         key = f"x/{step}/{self.rank}"
@@ -465,6 +627,7 @@ class StoreTransport:
         if step - 2 >= self.first_steps[self.rank]:
             # Every live peer has read it: it posted step - 1 after reading our step - 2.
             self._retract(step - 2)
+        self.m.beat(posted=step)  # peers that find no authentic payload now know it was lost
         pending = {p for p in self.live_peers if self.first_steps[p] <= step}
         got: dict[int, bytes | None] = {}
         waiting_since = time.monotonic()
@@ -472,8 +635,17 @@ class StoreTransport:
         while pending:
             for p in sorted(pending):
                 arrived, data = self._fetch(p, step, max_bytes)
+                if not arrived and self.m.peer_posted(p) >= step:
+                    # its heartbeat, written after the payload, says it posted: read once more,
+                    # then the payload was overwritten or deleted by something outside the run
+                    arrived, data = self._fetch(p, step, max_bytes)
+                    if not arrived:
+                        self._miss(p, step, "its payload was overwritten or deleted in the store")
+                        pending.discard(p)
+                        continue
                 if arrived:
                     got[p] = data
+                    self._misses.pop(p, None)
                     pending.discard(p)
                     continue
                 if (
@@ -481,10 +653,14 @@ class StoreTransport:
                     and self.m.get(f"ready/{p}", store=self.store) is not None
                 ):
                     self._ready_seen[p] = time.monotonic()
-                since = max(waiting_since, self._ready_seen[p]) if p in self._ready_seen else None
-                reason = self.m.why_gone(p, waiting_since=since)
+                reason = self.m.why_gone(p)
                 if reason is not None:
                     self.m.drop(p, reason, step=step)
+                    pending.discard(p)
+                    continue
+                since = max(waiting_since, self._ready_seen[p]) if p in self._ready_seen else None
+                if since is not None and time.monotonic() - since > self.m.timeout_s:
+                    self._miss(p, step, f"no payload within {self.m.timeout_s:g} s")
                     pending.discard(p)
             if pending:
                 if self.should_stop():
@@ -495,3 +671,18 @@ class StoreTransport:
 
     def close(self) -> None:
         """Nothing to release: the membership (and the `left` mark) belongs to its creator."""
+
+
+def _answers(store: dist.Store) -> bool:
+    """Whether the host of `store` (a TCPStore, possibly behind a PrefixStore) still accepts a
+    TCP connection: a failed request from a store that answers is not a lost host."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, dist.TCPStore):
+        return False
+    host, port = store.host, store.port
+    try:
+        with socket.create_connection((host, port), timeout=2.0):
+            return True
+    except OSError:
+        return False

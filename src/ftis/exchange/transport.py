@@ -17,6 +17,7 @@ collectives) in their own modules.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -61,11 +62,12 @@ class TransportStats:
     seconds: float = 0.0
     oversized: int = 0
     lost: dict[int, str] = field(default_factory=dict)
+    missed: int = 0  # a live peer's payload skipped for one round (overwritten, deleted, late)
+    forged: int = 0  # records in the transport that failed authentication (ignored)
+    heartbeat_errors: int = 0  # heartbeats the transport refused (retried)
 
     def copy(self) -> TransportStats:
-        return TransportStats(
-            self.bytes_sent, self.bytes_received, self.seconds, self.oversized, dict(self.lost)
-        )
+        return dataclasses.replace(self, lost=dict(self.lost))
 
 
 class Transport(Protocol):

@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             first_steps=first_steps,
             should_stop=stop,
             on_store_lost=cfg.exchange.on_store_lost,
+            max_missed=cfg.exchange.max_missed,
         )
         if not is_node:
             return _serve(cfg, rank, names[rank], transport, run_dir, stop, membership)

@@ -381,8 +381,9 @@ def backend_config(cfg: RunConfig) -> dict[str, Any]:
 
 def _start_ray(init_args: dict[str, Any]) -> None:
     """ray.init as Flower's Ray backend calls it (which then finds Ray running and leaves it):
-    the workers import this process's modules through PYTHONPATH. The SIGTERM handler that
-    ray.init installs (sys.exit) is replaced by the one that was there before."""
+    the workers import this process's modules through PYTHONPATH; Ray's services require the
+    token `ftis.algos.federated` set at import. The SIGTERM handler that ray.init installs (sys.exit) is
+    replaced by the one that was there before."""
     import os
     import signal
     import sys
