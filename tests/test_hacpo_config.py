@@ -103,3 +103,17 @@ def test_hacpo_in_a_swarm_is_refused_with_the_alternative():
     data["algorithm"] = {"kind": "swarm", "backend": "sim"}
     with pytest.raises(ValidationError, match="not supported in a swarm"):
         RunConfig.model_validate(data)
+
+
+def test_the_learner_passes_the_rewards_largest_value_to_hacpo():
+    """The max_reward HACPO's baseline fallback uses: the configured value, else the sum of
+    the positive reward weights (1.5 for 1 x correct + 0.5 x format), else 1."""
+    from types import SimpleNamespace
+
+    from ftis.algos.ftis.hacpo import hacpo_max_reward
+
+    terms = [SimpleNamespace(weight=1.0), SimpleNamespace(weight=0.5), SimpleNamespace(weight=-2)]
+    task = SimpleNamespace(reward_fn=SimpleNamespace(terms=terms))
+    assert hacpo_max_reward(SimpleNamespace(hacpo_max_reward=None), task) == 1.5
+    assert hacpo_max_reward(SimpleNamespace(hacpo_max_reward=4.0), task) == 4.0
+    assert hacpo_max_reward(SimpleNamespace(hacpo_max_reward=None), SimpleNamespace()) == 1.0

@@ -24,7 +24,7 @@ from ftis.algos.ftis import sharing
 from ftis.algos.ftis.adversary import adversarial
 from ftis.algos.ftis.bridge import attach_text, bridge_blocker, retokenize
 from ftis.algos.ftis.defence import Screen, same_model_caveat, same_model_ranks
-from ftis.algos.ftis.hacpo import Capabilities, joint_advantages
+from ftis.algos.ftis.hacpo import Capabilities, hacpo_max_reward, joint_advantages
 from ftis.algos.ftis.poison import forge_margin, poison
 from ftis.config import PoisonAttack
 from ftis.exchange.codec import RolloutCodec, RolloutExchange, to_device
@@ -90,6 +90,7 @@ class FTISAlgorithm:
         self._prompt_len: dict[int, int] = {}  # train-split index -> prompt tokens
         loss = ctx.node.cfg.loss
         self.hacpo = Capabilities(loss.hacpo_window) if loss.method == "hacpo" else None
+        self.hacpo_max_reward = hacpo_max_reward(loss, self.task) if self.hacpo else 1.0
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"counters": dict(self.counters)}
@@ -248,7 +249,7 @@ class FTISAlgorithm:
             else:
                 self.hacpo.record(batch, rewards)
                 adv, peer_scale, hacpo_metrics = joint_advantages(
-                    batch, rewards, self.hacpo, learner=self.rank
+                    batch, rewards, self.hacpo, learner=self.rank, max_reward=self.hacpo_max_reward
                 )
                 metrics.update(hacpo_metrics)
             if trust_scale is not None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ftis.core.hacpo import discrepancy, hacpo_advantages
+from ftis.core.hacpo import discrepancy, hacpo_advantages, max_reward_of
 from ftis.rollout.types import RolloutBatch
 
 
@@ -45,6 +45,18 @@ class Capabilities:
         self.history = {
             int(j): deque(h, maxlen=self.window) for j, h in state.get("history", {}).items()
         }
+
+
+def hacpo_max_reward(loss: Any, task: Any) -> float:
+    """The largest reward of a node's task, HACPO's `max_reward`: `loss.hacpo_max_reward` when
+    set, else the sum of the positive weights of the configured reward terms (each function
+    taken to score in [0, 1]: `ftis.core.hacpo.max_reward_of`), else 1 (a built-in verifier)."""
+    if loss.hacpo_max_reward is not None:
+        return float(loss.hacpo_max_reward)
+    reward_fn = getattr(task, "reward_fn", None)
+    if reward_fn is None:
+        return 1.0
+    return max_reward_of(t.weight for t in reward_fn.terms)
 
 
 def joint_advantages(
