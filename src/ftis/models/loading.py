@@ -76,25 +76,67 @@ def as_saved(tok: PreTrainedTokenizerBase, path: str) -> PreTrainedTokenizerBase
 
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
-    """The node's tokenizer: a preset's embedded one, or the one saved with `model.path`,
-    encoding exactly as saved (`as_saved`)."""
+    """The node's tokenizer: a preset's embedded one, or the one saved with `model.path` (or
+    converted from `model.gguf` / `model.name`: `ftis.models.real.resolve_model_dir`),
+    encoding exactly as saved (`as_saved`). Its EOS and pad tokens are the model's own."""
     if cfg.preset is not None:
         return preset_tokenizer(cfg.preset)
+    from ftis.models.real import resolve_model_dir, source_field
+
+    path = resolve_model_dir(cfg)
+    field = source_field(cfg)
     try:
-        tok = AutoTokenizer.from_pretrained(cfg.path)
-        if os.path.isdir(cfg.path):
-            tok = as_saved(tok, cfg.path)
+        tok = AutoTokenizer.from_pretrained(path)
+        if os.path.isdir(path):
+            tok = as_saved(tok, path)
     except (OSError, ValueError) as e:
         if isinstance(e, ModelLoadError):
             raise
+        if cfg.path is None:  # ftis's own conversion in the cache
+            raise ModelLoadError(
+                f"cannot load the tokenizer converted from {field} in {path}: {e}. Delete that "
+                "directory to convert the model again."
+            ) from e
         raise ModelLoadError(
             f"cannot load a tokenizer from model.path={cfg.path!r}: {e}. Give a local directory "
             "written by save_pretrained, or a Hub name on a machine with network access."
         ) from e
+    if tok.eos_token_id is None:
+        raise ModelLoadError(
+            f"{field}: the tokenizer has no EOS token, so ftis cannot tell where a completion "
+            "ends; give a model whose tokenizer sets eos_token (save_pretrained after "
+            "tokenizer.eos_token = ...)"
+        )
     if tok.pad_token_id is None:
+        # Padding is never read as a token: completions end where their lengths say, so a
+        # real EOS is still trained on and counted when pad and EOS are one id.
+        log.info(
+            "%s: the tokenizer has no pad token; padding with its EOS token %r (id %d)",
+            field,
+            tok.eos_token,
+            tok.eos_token_id,
+        )
         tok.pad_token = tok.eos_token
+    if cfg.path is None and getattr(tok, "chat_template", None) is None:
+        _warn_no_chat_template(field)
     tok.padding_side = "left"
     return tok
+
+
+_warned_templates: set[str] = set()
+
+
+def _warn_no_chat_template(field: str) -> None:
+    if field in _warned_templates:
+        return
+    _warned_templates.add(field)
+    log.warning(
+        "%s: the tokenizer has no chat template; a task that formats prompts as chat "
+        "(task.use_chat_template null, the default) gives this model plain text instead, which "
+        "an instruct model may answer poorly. Use a GGUF with tokenizer.chat_template, or set "
+        "task.use_chat_template: false to say plain text is meant.",
+        field,
+    )
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -135,9 +177,17 @@ def build_model(cfg: ModelConfig) -> PreTrainedModel:
         torch.manual_seed(cfg.init_seed)
         model = AutoModelForCausalLM.from_config(preset_config(cfg.preset), dtype=dtype)
     else:
+        from ftis.models.real import resolve_model_dir, source_field
+
+        path = resolve_model_dir(cfg)
         try:
-            model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         except (OSError, ValueError) as e:
+            if cfg.path is None:  # ftis's own conversion in the cache
+                raise ModelLoadError(
+                    f"cannot load the model converted from {source_field(cfg)} in {path}: {e}. "
+                    "Delete that directory to convert the model again."
+                ) from e
             raise ModelLoadError(
                 f"cannot load a causal LM from model.path={cfg.path!r}: {e}. Give a local "
                 "directory written by save_pretrained, or a Hub name on a machine with network "
