@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from collections.abc import Callable
@@ -289,6 +290,14 @@ def convert_gguf(
         if read_manifest(entry) is not None:
             return entry
         entry.parent.mkdir(parents=True, exist_ok=True)
+        log.info(
+            "%s: converting %s (%s, %.0f MB) once with transformers -> %s",
+            field,
+            path.name,
+            info["architecture"],
+            path.stat().st_size / 1e6,
+            entry,
+        )
         tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
         try:
             manifest = _convert(path, tmp, field=field, info=info, progress=progress)
@@ -320,6 +329,30 @@ def convert_gguf(
 
 CONVERT_STEPS = 4  # tokenizer, weights, write, check
 
+_quiet = threading.local()
+
+
+def _silence_gguf_bar() -> None:
+    """transformers' GGUF loader draws a plain tqdm bar of its own (not one that
+    `transformers.utils.logging.disable_progress_bar` reaches), which would tear through ftis's
+    progress display and logs: wrap it, once, so that it is off while ftis converts (in this
+    thread) and unchanged otherwise."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        return
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None or getattr(bar, "_ftis_quiet", False):
+        return
+
+    def quiet_when_converting(*args, **kwargs):
+        if getattr(_quiet, "on", False):
+            kwargs["disable"] = True
+        return bar(*args, **kwargs)
+
+    quiet_when_converting._ftis_quiet = True
+    gguf_utils.tqdm = quiet_when_converting
+
 
 def _convert(path: Path, out: Path, *, field: str, info: dict, progress: Progress | None) -> dict:
     """De-quantize `path` with transformers and write a plain HF directory into `out`."""
@@ -347,6 +380,8 @@ def _convert(path: Path, out: Path, *, field: str, info: dict, progress: Progres
     except OSError:  # no symlinks here
         where, name = str(path.parent), path.name
     arch = info["architecture"]
+    _silence_gguf_bar()
+    _quiet.on = True
     try:
         tok = AutoTokenizer.from_pretrained(where, gguf_file=name)
         step(1)
@@ -369,6 +404,7 @@ def _convert(path: Path, out: Path, *, field: str, info: dict, progress: Progres
             "de-quantizes (llama, mistral, qwen2, qwen3, gemma, phi3, ...; Q4_0, Q8_0, Q4_K, ...)"
         ) from e
     finally:
+        _quiet.on = False
         shutil.rmtree(src, ignore_errors=True)
     step(2)
     # A plain model of the same config, holding the de-quantized weights: what a GGUF load
