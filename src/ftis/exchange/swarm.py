@@ -1,8 +1,10 @@
 """A swarm transport: peers that come and go, no fixed world size, no barrier (rl-swarm's contract).
 
     publish   this peer's payload of round r under the key `<swarm>:round:<r>`, subkey = its peer
-              id, with an expiry; and a heartbeat under `<swarm>:members` (its id -> [state, r])
+              id, with an expiry; and a heartbeat under `<swarm>:members` (its id ->
+              [state, r, expiry]); both signed with the swarm's secret
     collect   read the round's key until every live member has published or `deadline_s` passed
+              (a candidate, whose payload never arrived yet: `candidate_grace_s`)
     answer    whatever arrived (membership is what arrived); absent peers contribute nothing
 
 A board holds the records: `MemoryBoard` in this process (tests), `SimBoard`
@@ -632,6 +634,7 @@ class SwarmTransport:
         for r in [r for r in self._past if r <= round_ - max(1, s.late_window)]:
             del self._past[r]
         self.last = info
+        self._reads = {}  # (probed rounds' payloads: not kept between rounds)
         self.stats.seconds += time.perf_counter() - w0
         return out
 
