@@ -287,3 +287,24 @@ def test_a_ghost_on_a_real_dht_is_rejected_and_not_waited_for():
             second.close()
     finally:
         first.close()
+
+
+def test_a_peer_without_the_swarms_secret_refuses_to_start(tmp_path, monkeypatch):
+    """A hivemind peer needs the swarm's secret (its records would all be refused); `ftis run`
+    joining a swarm started elsewhere (initial_peers) cannot draw one of its own."""
+    from ftis.algos.swarm.config import SWARM_SECRET_ENV
+    from ftis.algos.swarm.launch import run_swarm
+    from ftis.algos.swarm.peer import build_transport
+    from ftis.config import ConfigError, RunConfig
+    from tests.conftest import tiny_run_config
+
+    monkeypatch.delenv(SWARM_SECRET_ENV, raising=False)
+    d = tiny_run_config()
+    d["nodes"] = [{**d["nodes"][0], "name": n} for n in ("a", "b")]
+    d["algorithm"] = {"kind": "swarm", "backend": "hivemind", "max_peers": 8}
+    cfg = RunConfig.model_validate(d)
+    with pytest.raises(ConfigError, match=SWARM_SECRET_ENV):
+        build_transport(cfg, 0, [], lambda: False)
+    d["algorithm"]["initial_peers"] = ["/ip4/127.0.0.1/tcp/1/p2p/QmNothing"]
+    with pytest.raises(ConfigError, match="secret_file"):
+        run_swarm(RunConfig.model_validate(d), tmp_path)
