@@ -42,6 +42,7 @@ class _Term:
     fn: RewardFn
     weight: float
     per_problem: bool = False  # fn(problem, completion): a task's own method
+    report: bool = False  # its mean is a row's `reward/<name>` (fn.report_mean is true)
 
 
 class Reward:
@@ -61,9 +62,12 @@ class Reward:
                 )
             else:
                 self.terms.append(_Term(*t))
+        for term in self.terms:
+            term.report = term.report or getattr(term.fn, "report_mean", False) is True
         if not self.terms:
             raise ValueError("a reward needs at least one function")
         self.errors: Counter[str] = Counter()
+        self.sums: Counter[str] = Counter()  # unweighted values of the reported terms
         self.scored = 0
         self.nonzero = 0
         self.total_scored = 0  # since the start, for the zero-reward warning
@@ -108,9 +112,13 @@ class Reward:
 
     def _add(self, term: _Term, total: list[float], i: int, value: Any) -> None:
         try:
-            total[i] += term.weight * finite_number(value)
+            value = finite_number(value)
         except (TypeError, ValueError) as e:
             self._failed(term, e)
+            return
+        total[i] += term.weight * value
+        if term.report:
+            self.sums[term.name] += value
 
     def _failed(self, term: _Term, exc: BaseException) -> None:
         self.errors[term.name] += 1
@@ -129,12 +137,17 @@ class Reward:
     def pop_stats(self) -> dict[str, float]:
         """The metrics row's reward counters since the last call: `reward/scored`,
         `reward/nonzero` and `reward/errors/<function>` (every function that is not built in
-        gets a value, 0 included; a built-in one only when it failed)."""
+        gets a value, 0 included; a built-in one only when it failed); and `reward/<function>`,
+        the mean unweighted value of each function with `report_mean = True` (a failure counts
+        0), when a completion was scored."""
         out = {"reward/scored": float(self.scored), "reward/nonzero": float(self.nonzero)}
         for t in self.terms:
             if self.errors[t.name] or not t.name.startswith("builtin:"):
                 out[f"reward/errors/{t.name}"] = float(self.errors[t.name])
+            if t.report and self.scored:
+                out[f"reward/{t.name}"] = self.sums[t.name] / self.scored
         self.errors.clear()
+        self.sums.clear()
         self.scored = self.nonzero = 0
         return out
 
