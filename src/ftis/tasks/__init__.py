@@ -36,6 +36,7 @@ from ftis.tasks.gsm8k import (
 )
 from ftis.tasks.prompts import PromptsTask, PromptsTaskConfig
 from ftis.tasks.reasoning import ReasoningTask, ReasoningTaskConfig, ReasoningVariant
+from ftis.tasks.reasoning_gym import ReasoningGymTask, ReasoningGymTaskConfig
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,7 @@ register_task("arithmetic", ArithmeticTaskConfig, ArithmeticTask)
 register_task("gsm8k", GSM8KTaskConfig, GSM8KTask)
 register_task("reasoning", ReasoningTaskConfig, ReasoningTask)
 register_task("prompts", PromptsTaskConfig, PromptsTask)
+register_task("reasoning-gym", ReasoningGymTaskConfig, ReasoningGymTask)
 
 
 __all__ = [
@@ -148,6 +150,8 @@ __all__ = [
     "Problem",
     "PromptsTask",
     "PromptsTaskConfig",
+    "ReasoningGymTask",
+    "ReasoningGymTaskConfig",
     "ReasoningTask",
     "ReasoningTaskConfig",
     "ReasoningVariant",
