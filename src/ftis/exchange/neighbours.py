@@ -90,17 +90,31 @@ class NeighbourChannel:
         timeout_s: float,
         backend: str = "auto",
         stats: TransportStats | None = None,
+        start_digest: str = "",
     ) -> NeighbourChannel:
         """Form the group (every rank calls this once): connect to the run's store, agree on the
-        tensor size, learn every rank's first round, initialise the process group."""
+        tensor size and on the starting weights (`start_digest`: a digest of the weights an
+        agent starts a fresh run from, "" on a resume; compared when every agent starts fresh),
+        learn every rank's first round, initialise the process group."""
         rank, world = rank_from_env(PeerGroupError, "the gossip group")
         store = _client_store(timeout_s)
-        first_steps = _handshake(store, rank, world, f"{first_step},{size}", timeout_s)
+        hello = f"{first_step},{size},{start_digest}"
+        first_steps = _handshake(store, rank, world, hello, timeout_s)
         sizes = {int(v.split(",")[1]) for v in first_steps}
         if len(sizes) > 1:
             raise PeerGroupError(
                 f"agents exchange tensors of different sizes {sorted(sizes)}: every agent must "
                 "train the same architecture with the same trainable parameters"
+            )
+        starts = [v.split(",")[2] if v.count(",") >= 2 else "" for v in first_steps]
+        if all(starts) and len(set(starts)) > 1:  # every agent starts fresh (a resume sends "")
+            raise PeerGroupError(
+                "agents start from different weights (digest by rank: "
+                + ", ".join(f"{r}: {d or '?'}" for r, d in enumerate(starts))
+                + "): gossip averages the agents' weights, which assumes one starting model. A "
+                "warm start trained on each machine differs with the CPU's kernels; give every "
+                "agent the same files (a shipped base model, or one warm-start directory copied "
+                "into each machine's FTIS_CACHE, or model.path)"
             )
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"

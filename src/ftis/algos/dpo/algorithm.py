@@ -136,6 +136,18 @@ class DPOAlgorithm:
             )
 
 
+def weights_digest(params) -> str:
+    """A digest of tensors' values, dtypes and shapes, in order (the first 16 hex of sha256)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in params:
+        t = p.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 class GossipDPOAlgorithm(DPOAlgorithm):
     """DecDPO (kind `gossip-dpo`): DPOAlgorithm's local steps, then one gossip step."""
 
@@ -155,6 +167,8 @@ class GossipDPOAlgorithm(DPOAlgorithm):
                 timeout_s=ctx.cfg.exchange.timeout_s,
                 backend=self.algo.backend,
                 stats=ctx.transport.stats,
+                # a fresh run's starting weights (on a resume they are the checkpoint's)
+                start_digest=weights_digest(params) if ctx.first_step == 1 else "",
             )
         self.gossip = Gossip(ctx, params, channel)
 
