@@ -144,7 +144,7 @@ def _run_in(cfg, run_dir: Path, *, resume: bool) -> None:
         _fail(f"cannot write the run directory {run_dir}: {e.strerror or e}{hint}")
 
     from ftis.launch import run_local
-    from ftis.launch.multi import LaunchError, NodesLostError
+    from ftis.launch.multi import DiskFullError, LaunchError, NodesLostError
     from ftis.train.loop import NoTrainingSignal, SimulatedCrash
 
     try:
@@ -156,6 +156,8 @@ def _run_in(cfg, run_dir: Path, *, resume: bool) -> None:
             f"ftis run --resume {run_dir}",
             1,
         )
+    except DiskFullError as e:  # a fault of the machine, not of the config: resumable
+        _fail(f"{e}. Free space under {run_dir}, then: {_resume_hint(cfg, run_dir)}", 1)
     except (ModelLoadError, TaskDataError, ConfigError, CheckpointError, LaunchError) as e:
         _fail(str(e))
     except NoTrainingSignal as e:
@@ -165,6 +167,23 @@ def _run_in(cfg, run_dir: Path, *, resume: bool) -> None:
     except KeyboardInterrupt:
         _fail(_stopped_message(cfg, run_dir), 130)
     _finish(run_dir)
+
+
+def _resume_hint(cfg, run_dir: Path) -> str:
+    """How to continue a run that stopped on a fault: --resume when a node has a checkpoint,
+    else start again (warm starts are cached)."""
+    from ftis.train.checkpoint import CheckpointError, checkpoint_step
+
+    for n in cfg.nodes:
+        try:
+            if checkpoint_step(run_dir / "nodes" / n.name) is not None:
+                return f"ftis run --resume {run_dir}"
+        except CheckpointError:
+            continue
+    return (
+        f"no node had written a checkpoint yet, so start again: ftis run CONFIG --out {run_dir} "
+        "--overwrite (finished warm starts are cached)"
+    )
 
 
 def _stopped_message(cfg, run_dir: Path) -> str:

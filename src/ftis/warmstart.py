@@ -33,6 +33,7 @@ from pydantic import BaseModel
 from ftis.basemodels import ShippedBase, find_shipped, sha256_file, verify
 from ftis.models.loading import ModelConfig, build_model, load_tokenizer, save_model
 from ftis.models.logprobs import completion_logprobs
+from ftis.models.real import model_label
 from ftis.rollout.sampler import left_pad
 from ftis.tasks import build_task, get_task
 from ftis.tasks.base import Problem, Task
@@ -139,7 +140,7 @@ def base_key(model_cfg: ModelConfig, ws: WarmStartConfig, task_cfg: BaseModel) -
 
 
 def entry_name(model_cfg: ModelConfig, key: str) -> str:
-    return f"{model_cfg.preset or Path(str(model_cfg.path)).name}-{key}"
+    return f"{Path(model_label(model_cfg)).name}-{key}"
 
 
 def warm_start(
@@ -159,7 +160,7 @@ def warm_start(
     reusing only a cache entry that was trained here.
     """
     key = cache_key(model_cfg, ws, task_cfg)
-    name = model_cfg.preset or Path(str(model_cfg.path)).name
+    name = Path(model_label(model_cfg)).name
     target = cache_root() / "warmstart" / f"{name}-{key}"
     shipped = find_shipped(base_key(model_cfg, ws, task_cfg)) if use_shipped else None
     if shipped is not None:

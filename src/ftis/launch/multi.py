@@ -24,11 +24,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ftis.config import RunConfig
 from ftis.exchange.store import HOSTED_ENV, SECRET_ENV, Signer, host_store, mark_left, new_secret
-from ftis.launch.stop import INTERRUPTED, StopSignals, die_with_parent
+from ftis.launch.stop import DISK_FULL, INTERRUPTED, StopSignals, die_with_parent
 
 
 class LaunchError(RuntimeError):
     """No node finished; the message carries the nodes' own error messages."""
+
+
+class DiskFullError(LaunchError):
+    """Every node stopped because its disk filled up; the message says how to resume."""
 
 
 class NodesLostError(LaunchError):
@@ -163,6 +167,10 @@ def run_multi(
             f"see the logs in {logs}"
         )
         codes = sorted(set(result.exit_codes.values()))
+        if codes == [DISK_FULL]:
+            raise DiskFullError(
+                next(iter(result.errors.values()), f"no space left on device under {run_dir}")
+            )
         raise LaunchError(f"every node failed (exit codes {codes}): {detail}")
     if result.failed:
         raise NodesLostError(result)

@@ -39,6 +39,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 INTERRUPTED = 130  # the exit code of a run stopped by a signal after its checkpoints
+DISK_FULL = 3  # a node's exit code when its disk filled up (the launcher says so)
 GRACE_S = 120.0  # how long stopped children may take to checkpoint before they are killed
 LEFTOVER_GRACE_S = 5.0  # how long a leftover daemon gets between SIGTERM and SIGKILL
 _PR_SET_PDEATHSIG = 1

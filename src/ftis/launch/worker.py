@@ -17,6 +17,8 @@ message is in RUN_DIR/logs/rank<R>.error), anything else a crash.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -34,6 +36,7 @@ from ftis.config import ConfigError, RunConfig, load_config
 from ftis.exchange.group import GroupMismatchError, check_group
 from ftis.exchange.store import Membership, PeerGroupError, StoreTransport, connect_store
 from ftis.exchange.transport import TransportLost
+from ftis.launch.stop import DISK_FULL
 from ftis.models.loading import ModelLoadError, load_tokenizer, tokenizer_fingerprint
 from ftis.tasks import TaskDataError
 from ftis.train.checkpoint import CheckpointError, checkpoint_step
@@ -43,6 +46,25 @@ from ftis.train.metrics import MetricLogger, truncate_run_rows
 log = logging.getLogger("ftis.launch.worker")
 
 CRASH_EXIT_CODE = 17  # `crash_at_step`: the process exits hard, as if killed
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether `err` (or an exception it was raised from) is a full disk or quota: an OSError
+    with ENOSPC/EDQUOT, or a library's error that only carries the OS message (safetensors)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(err) or "os error 28" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _last_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[-1][:300] if text else type(err).__name__
 
 
 USER_ERRORS = (
@@ -212,6 +234,20 @@ def main(argv: list[str] | None = None) -> int:
             membership.leave(f"error: {e}"[:500])
         return 2
     except BaseException as e:
+        if disk_full(e):
+            # not a crash: the disk is full. One line, no traceback; the last complete
+            # checkpoint is intact (a half-written one is removed), so --resume continues
+            msg = (
+                f"no space left on device while this node wrote to {run_dir} ({_last_line(e)}); "
+                "its last complete checkpoint is intact (a half-written one is removed)"
+            )
+            log.error("%s", msg)
+            with contextlib.suppress(OSError):
+                error_file.parent.mkdir(parents=True, exist_ok=True)
+                error_file.write_text(msg)
+            if membership is not None:
+                membership.leave("error: no space left on device")
+            return DISK_FULL
         if membership is not None:
             membership.leave(f"crashed: {type(e).__name__}: {e}"[:500])
         raise

@@ -109,6 +109,16 @@ def source_field(cfg) -> str:
     return "model"
 
 
+def model_label(cfg) -> str:
+    """What a model is called in logs, tables and cache names: the value of its config field
+    (the preset, the path, the GGUF file or the named model)."""
+    for field in ("preset", "name", "gguf", "path"):
+        value = getattr(cfg, field, None)
+        if value is not None:
+            return str(value)
+    return "model"
+
+
 def resolve_model_dir(cfg, progress: Progress | None = None) -> str:
     """The Hugging Face directory (or Hub name) a node's model and tokenizer load from:
     `model.path` as given; `model.gguf` / `model.name` converted once into ftis's cache."""

@@ -20,6 +20,7 @@ from ftis.models.loading import (
     count_parameters,
     load_tokenizer,
 )
+from ftis.models.real import model_label
 from ftis.warmstart import warm_start
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def build_node(cfg: NodeConfig, *, rank: int, task_cfg: BaseModel, warm_progress
     log.info(
         "node %s: %s, %d of %d parameters trainable",
         cfg.name,
-        cfg.model.preset or cfg.model.path,
+        model_label(cfg.model),
         trainable,
         total,
     )

@@ -56,6 +56,7 @@ from rich.console import Console
 
 from ftis.config import ConfigError, RunConfig, apply_overrides, format_validation_error
 from ftis.config import load_config as load_run_config
+from ftis.models.real import model_label
 from ftis.study.runner import (
     RUN_META,
     SweepOutcome,
@@ -319,7 +320,7 @@ def base_model_dir(fed: RunConfig) -> Path | None:
     if node.warm_start is None:
         return None
     key = cache_key(node.model, node.warm_start, fed.task)
-    name = node.model.preset or Path(str(node.model.path)).name
+    name = Path(model_label(node.model)).name
     return cache_root() / "warmstart" / f"{name}-{key}"
 
 

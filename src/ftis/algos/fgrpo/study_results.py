@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ftis.algos.fgrpo.study import CLIENT_EVAL, FGRPORun, FGRPOStudy, run_state
+from ftis.models.real import model_label
 from ftis.study.document import (
     DIFFERENCES_NOTE,
     Differences,
@@ -334,7 +335,7 @@ def _setup(study: FGRPOStudy) -> list[str]:
     E, R = algo.local_steps, fed.train.steps  # type: ignore[attr-defined]
     G = fed.train.group_size
     node = fed.nodes[0]
-    model = node.model.preset or node.model.path
+    model = model_label(node.model)
     if node.model.lora:
         model += f" + LoRA r={node.model.lora.r}"
     ws = node.warm_start

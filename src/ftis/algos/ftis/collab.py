@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ftis.models.real import model_label
 from ftis.study.document import code_line, invocations_line, reading_lines, rel
 from ftis.study.document import fmt_pct as _pct
 from ftis.study.document import table as _table
@@ -452,7 +453,7 @@ def _setup(study: Any, nodes: dict[str, list[str]]) -> list[str]:
             continue
         desc = []
         for n in cfg.nodes:
-            model = n.model.preset or str(n.model.path)
+            model = model_label(n.model)
             lora = f" + LoRA r={n.model.lora.r}" if n.model.lora else ""
             mix = (
                 f", warm-start mix {n.warm_start.mix}" if n.warm_start and n.warm_start.mix else ""

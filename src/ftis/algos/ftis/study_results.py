@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ftis.models.real import model_label
 from ftis.study.document import (
     DIFFERENCES_NOTE,
     READING_BEGIN,
@@ -376,7 +377,7 @@ def _setup_lines(study: Study) -> list[str]:
         c = r.config
         nodes = []
         for n in c.nodes:
-            m = n.model.preset or n.model.path
+            m = model_label(n.model)
             if n.model.lora:
                 m += f" + LoRA r={n.model.lora.r}"
             ws = f", warm start {n.warm_start.steps} steps" if n.warm_start else ""

@@ -15,6 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from ftis.models.real import model_label
 from ftis.study.arms import ArmResult, document_head, document_tail, image, save_figure
 from ftis.study.document import DIFFERENCES_NOTE, ONE_SEED, Differences
 from ftis.study.document import table as _table
@@ -32,7 +33,7 @@ def _presence(res: ArmResult) -> dict[str, list[bool]]:
 
 def _preset(res: ArmResult, node: str) -> str:
     n = next(n for n in res.run.config.nodes if n.name == node)
-    return n.model.preset or str(n.model.path)
+    return model_label(n.model)
 
 
 def _evals(res: ArmResult, node: str) -> dict[int, float]:
