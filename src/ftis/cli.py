@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -44,7 +45,85 @@ def _setup_logging(verbose: bool) -> None:
 
 def _fail(msg: str, code: int = 2) -> None:
     console.print(f"[bold red]error:[/] {escape(msg)}", soft_wrap=True, highlight=False)
+    _ended(code)
     raise typer.Exit(code)
+
+
+SUPERVISED_ENV = "FTIS_SUPERVISED_STATUS"  # set by `_supervise` for the run it watches
+
+
+def _ended(code: int) -> None:
+    """Tell a supervising `ftis run` (`_supervise`) that ftis ended this run itself."""
+    path = os.environ.get(SUPERVISED_ENV)
+    if path:
+        with contextlib.suppress(OSError):
+            Path(path).write_text(str(code))
+
+
+def _needs_supervisor(cfg) -> bool:
+    """Runs whose process Ray may end without warning: Flower's simulation engine makes this
+    process Ray's driver, and Ray's core worker exits the driver (exit 1, no Python cleanup)
+    when its raylet dies."""
+    if not hasattr(cfg.algorithm, "simulation") or os.environ.get(SUPERVISED_ENV):
+        return False
+    try:  # a child can only share this process's output through real file descriptors
+        sys.stdout.fileno(), sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False  # e.g. typer's CliRunner: run in this process, as before
+    return True
+
+
+def _supervise(cfg, run_dir: Path, args: list[str]) -> int:
+    """Run this same command in a child process (its own process group: a signal reaches it
+    once, passed on by this one) and, if it ends without ftis ending it (Ray's core worker
+    killed its driver), say so with how to continue, and end whatever it left behind."""
+    import signal
+    import subprocess
+    import tempfile
+
+    from ftis.launch.stop import die_with_parent, reaping_orphans
+
+    fd, status_name = tempfile.mkstemp(prefix="ftis-run-status-")
+    os.close(fd)
+    status = Path(status_name)
+    status.unlink()
+    entry = "import sys; from ftis.cli import main; sys.argv[0] = 'ftis'; main()"
+    cmd = [sys.executable, "-c", entry, *args]
+    dies = die_with_parent()
+
+    def preexec() -> None:
+        os.setpgrp()
+        if dies is not None:
+            dies()
+
+    with reaping_orphans(what="Ray"):
+        child = subprocess.Popen(
+            cmd, env={**os.environ, SUPERVISED_ENV: status_name}, preexec_fn=preexec
+        )
+        previous = {}
+
+        def forward(signum, frame):
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signum)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, forward)
+        try:
+            code = child.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    if status.exists():
+        status.unlink()
+        return code
+    console.print(
+        f"[bold red]error:[/] the run's process ended abruptly (exit code {code}) without ftis "
+        "ending it: under Flower's simulation this is Ray ending its driver, as Ray does when "
+        f"its raylet dies (Ray's own lines above say why). {_resume_hint(cfg, run_dir)}",
+        soft_wrap=True,
+        highlight=False,
+    )
+    return 1
 
 
 def _stdout() -> Console:
@@ -121,6 +200,14 @@ def run(
         check_run(cfg)  # before the run directory is touched or any worker starts
     except ConfigError as e:
         _fail(str(e))
+    if _needs_supervisor(cfg):
+        args = ["run"] + ([str(config)] if config is not None else [])
+        args += [x for v in set_ or [] for x in ("--set", v)]
+        args += ["--out", str(out)] if out is not None else []
+        args += ["--overwrite"] if overwrite else []
+        args += ["--resume", str(resume)] if resume is not None else []
+        args += ["--verbose"] if verbose else []
+        raise typer.Exit(_supervise(cfg, run_dir, args))
     try:
         with claim(run_dir, overwrite=overwrite, resume=resume is not None):
             _run_in(cfg, run_dir, resume=resume is not None)
@@ -144,7 +231,7 @@ def _run_in(cfg, run_dir: Path, *, resume: bool) -> None:
         _fail(f"cannot write the run directory {run_dir}: {e.strerror or e}{hint}")
 
     from ftis.launch import run_local
-    from ftis.launch.multi import DiskFullError, LaunchError, NodesLostError
+    from ftis.launch.multi import BackendLost, DiskFullError, LaunchError, NodesLostError
     from ftis.train.loop import NoTrainingSignal, SimulatedCrash
 
     try:
@@ -156,8 +243,10 @@ def _run_in(cfg, run_dir: Path, *, resume: bool) -> None:
             f"ftis run --resume {run_dir}",
             1,
         )
+    except BackendLost as e:  # Ray died under Flower: the server checkpointed, resumable
+        _fail(f"{e}. {_resume_hint(cfg, run_dir)}", 1)
     except DiskFullError as e:  # a fault of the machine, not of the config: resumable
-        _fail(f"{e}. Free space under {run_dir}, then: {_resume_hint(cfg, run_dir)}", 1)
+        _fail(f"{e}. Free space under {run_dir}. {_resume_hint(cfg, run_dir)}", 1)
     except (ModelLoadError, TaskDataError, ConfigError, CheckpointError, LaunchError) as e:
         _fail(str(e))
     except NoTrainingSignal as e:
@@ -167,22 +256,24 @@ def _run_in(cfg, run_dir: Path, *, resume: bool) -> None:
     except KeyboardInterrupt:
         _fail(_stopped_message(cfg, run_dir), 130)
     _finish(run_dir)
+    _ended(0)
 
 
 def _resume_hint(cfg, run_dir: Path) -> str:
-    """How to continue a run that stopped on a fault: --resume when a node has a checkpoint,
-    else start again (warm starts are cached)."""
+    """How to continue a run that stopped on a fault: --resume when a node (or a federated
+    run's server) has a checkpoint, else start again (warm starts are cached)."""
     from ftis.train.checkpoint import CheckpointError, checkpoint_step
 
-    for n in cfg.nodes:
+    for name in [n.name for n in cfg.nodes] + ["server"]:
         try:
-            if checkpoint_step(run_dir / "nodes" / n.name) is not None:
-                return f"ftis run --resume {run_dir}"
+            if checkpoint_step(run_dir / "nodes" / name) is not None:
+                return f"Continue with: ftis run --resume {run_dir}"
         except CheckpointError:
             continue
     return (
-        f"no node had written a checkpoint yet, so start again: ftis run CONFIG --out {run_dir} "
-        "--overwrite (finished warm starts are cached)"
+        f"No checkpoint had been written yet (checkpoint.every: {cfg.checkpoint.every}; 0 "
+        f"saves only at the end), so start again: ftis run CONFIG --out {run_dir} --overwrite "
+        "(finished warm starts are cached)"
     )
 
 
@@ -661,7 +752,13 @@ def main() -> None:
         app()
     except KeyboardInterrupt:
         console.print("interrupted")
+        _ended(130)
         sys.exit(130)
+    except SystemExit:
+        raise
+    except BaseException:
+        _ended(1)  # a Python error: its traceback is the message
+        raise
 
 
 if __name__ == "__main__":

@@ -35,6 +35,11 @@ class DiskFullError(LaunchError):
     """Every node stopped because its disk filled up; the message says how to resume."""
 
 
+class BackendLost(RuntimeError):
+    """The engine a run depends on (Ray, under Flower's simulation) died mid-run; the run
+    checkpointed what it had and stopped. The CLI adds how to continue and exits 1."""
+
+
 class NodesLostError(LaunchError):
     """Some nodes failed while the others finished (their rows and checkpoints are written);
     `result` says which. The CLI writes the report and exits 1."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -335,9 +336,11 @@ def simulate(
     from ftis.algos.federated.workers import restarting_workers
     from ftis.launch.stop import reaping_orphans
 
+    watch = RayWatch(stop)
     with _quiet(sim.verbose), reaping_orphans(what="Ray"), restarting_workers():
         try:
             _start_ray(config["init_args"])
+            watch.start()
             with stop.installed():
                 run_simulation(
                     server_app=server_app,
@@ -347,10 +350,56 @@ def simulate(
                     verbose_logging=sim.verbose,
                 )
         finally:
+            watch.halt()
             import ray
 
             if ray.is_initialized():
                 ray.shutdown()
+    if watch.died:
+        from ftis.launch.multi import BackendLost
+
+        raise BackendLost(
+            f"{watch.died} in the middle of the run: Flower's simulation lost every client "
+            "worker, so the server checkpointed its last round and stopped"
+        )
+
+
+class RayWatch(threading.Thread):
+    """Watches the Ray processes this run started (its raylet and GCS): when one fails (exits
+    with a non-zero code or on a signal), the clients' rounds can only fail from then on, so it
+    asks the run to stop (`stop.requested`: the server checkpoints its last round and skips the
+    rest) and records why (`died`)."""
+
+    def __init__(self, stop: Any, poll_s: float = 0.5) -> None:
+        super().__init__(name="ftis-ray-watch", daemon=True)
+        self.stop, self.poll_s = stop, poll_s
+        self.died: str | None = None
+        self._halt = threading.Event()
+
+    @staticmethod
+    def _processes() -> list[tuple[str, Any]]:
+        import ray._private.worker as worker
+
+        node = getattr(worker, "_global_node", None)
+        found = []
+        for kind, infos in (getattr(node, "all_processes", None) or {}).items():
+            if kind in ("raylet", "gcs_server"):
+                found += [(kind, i.process) for i in infos if getattr(i, "process", None)]
+        return found
+
+    def run(self) -> None:
+        procs = self._processes()
+        while not self._halt.wait(self.poll_s):
+            for kind, proc in procs:
+                # exit code 0: Ray shutting down as asked (Flower's engine does at its end)
+                if proc.poll() not in (None, 0):
+                    self.died = f"Ray's {kind} (pid {proc.pid}) exited with code {proc.returncode}"
+                    log.error("%s: stopping the run after its current round", self.died)
+                    self.stop.requested = True
+                    return
+
+    def halt(self) -> None:
+        self._halt.set()
 
 
 def backend_config(cfg: RunConfig) -> dict[str, Any]:
