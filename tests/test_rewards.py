@@ -97,7 +97,10 @@ def test_async_functions_of_a_batch_run_concurrently():
 
 
 def test_an_exception_scores_zero_for_that_completion_is_counted_and_named(caplog):
-    r = Reward(terms(("user_rewards_mod:boom", 1.0), ("user_rewards_mod:has_yes", 1.0)))
+    r = Reward(
+        terms(("user_rewards_mod:boom", 1.0), ("user_rewards_mod:has_yes", 1.0)),
+        max_error_share=1.0,  # 2 failures of 3 would stop the run (below)
+    )
     with caplog.at_level(logging.WARNING, logger="ftis.rewards.runtime"):
         got = r.score(problems(3), ["bad", "yes", "bad"])
     # boom gives 0 on "bad" (it raised), 2 on "yes"; has_yes adds 1 on "yes"
@@ -113,7 +116,7 @@ def test_an_exception_scores_zero_for_that_completion_is_counted_and_named(caplo
 
 
 def test_a_value_that_is_not_a_number_is_an_error():
-    r = Reward(terms(("user_rewards_mod:not_a_number", 1.0)))
+    r = Reward(terms(("user_rewards_mod:not_a_number", 1.0)), max_error_share=1.0)
     assert r.score(problems(1), ["x"]) == [0.0]
     assert r.pop_stats()["reward/errors/user_rewards_mod:not_a_number"] == 1.0
 

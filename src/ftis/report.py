@@ -355,9 +355,10 @@ ZERO_REWARD_STEPS = 5  # as ftis.train.loop's warning
 
 
 def zero_reward_warnings(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per node whose reward was 0 for every completion scored in its first steps
-    (steps 0-5: rows' `reward/scored` and `reward/nonzero`, which ftis.train.loop writes), with
-    the likely causes; none for nodes whose rows lack the counters."""
+    """The reward warnings of a run's summary (report.md and the console): one line per node
+    whose reward was 0 for every completion scored in its first steps (steps 0-5: rows'
+    `reward/scored` and `reward/nonzero`, which ftis.train.loop writes), with the likely causes
+    (none for nodes whose rows lack the counters); then `reward_failure_warnings`."""
     out = []
     for node in nodes_in(rows):
         first = [
@@ -379,7 +380,7 @@ def zero_reward_warnings(rows: list[dict[str, Any]]) -> list[str]:
                 if k.startswith("reward/errors/") and v
             }
         )
-        raised = f" ({', '.join(errors)} raised: see reward/errors/*)" if errors else ""
+        raised = f" ({', '.join(errors)} failed: see reward/errors/*)" if errors else ""
         out.append(
             f"node {node}: all {int(scored)} completions scored in steps 0-{last} earned reward "
             f"0{raised}. Likely causes: completions that miss the reward's format (see "
@@ -387,6 +388,33 @@ def zero_reward_warnings(rows: list[dict[str, Any]]) -> list[str]:
             "the prompt never asks for; a reward that raises; a model too weak for the task "
             "(docs/tasks.md)."
         )
+    return out + reward_failure_warnings(rows)
+
+
+def reward_failure_warnings(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per node and reward function that failed (raised, or returned something that is
+    not a finite number) on some of the completions it scored: how many of how many, and its
+    first failure with where it happened (rows' `reward/errors/<function>`, `reward/scored` and
+    `reward/first_error/<function>`, which ftis.rewards.runtime writes). A run past
+    `task.reward_max_error_share` has stopped with its own error instead."""
+    out = []
+    for node in nodes_in(rows):
+        mine = [r for r in rows if r.get("node") == node]
+        scored = sum(float(r.get("reward/scored") or 0) for r in mine)
+        failed: dict[str, float] = defaultdict(float)
+        first: dict[str, str] = {}
+        for r in mine:
+            for k, v in r.items():
+                if k.startswith("reward/errors/") and isinstance(v, int | float) and v:
+                    failed[k.removeprefix("reward/errors/")] += float(v)
+                elif k.startswith("reward/first_error/") and isinstance(v, str):
+                    first.setdefault(k.removeprefix("reward/first_error/"), v)
+        for name, count in failed.items():
+            what = f"; the first {first[name]}" if name in first else ""
+            out.append(
+                f"node {node}: reward {name} failed on {int(count)} of the {int(scored)} "
+                f"completions scored (each scored 0 from it){what}."
+            )
     return out
 
 

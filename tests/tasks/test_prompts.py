@@ -187,9 +187,14 @@ def test_zero_rewards_of_the_first_steps_are_warned_about(caplog):
         ]
         + [{"step": 0, "node": "c"}]
     )  # rows without the counters say nothing
-    (line,) = zero_reward_warnings(rows)
+    line, failures = zero_reward_warnings(rows)
     assert line.startswith("node a: all 48 completions scored in steps 0-5 earned reward 0")
-    assert "m:f raised" in line and "samples.jsonl" in line
+    assert "m:f failed" in line and "samples.jsonl" in line
+    # the failing function also gets its own line (its count; no first message in these rows)
+    assert (
+        failures
+        == "node a: reward m:f failed on 1 of the 56 completions scored (each scored 0 from it)."
+    )
 
     task = build_task({"kind": "arithmetic", "reward": "builtin:gsm8k_format"})
     p = task.split("test")[0]

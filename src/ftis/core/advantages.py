@@ -63,7 +63,12 @@ def group_advantages(rewards: Tensor, scale: Scale = "std", eps: float = 1e-4) -
 
 
 def flat_group_advantages(
-    rewards: Tensor, group_ids: Tensor, *, scale: Scale = "std", eps: float = 1e-4
+    rewards: Tensor,
+    group_ids: Tensor,
+    *,
+    scale: Scale = "std",
+    eps: float = 1e-4,
+    valid: Tensor | None = None,
 ) -> Tensor:
     """Group-relative advantages for N sequences tagged with a group id (docs/math.md §2).
 
@@ -76,6 +81,10 @@ def flat_group_advantages(
             values; groups may have different sizes and need not be contiguous.
         scale: "std" or "none", as in :func:`group_advantages`.
         eps: added to each group's std.
+        valid: optional (N,) bool, False for a sequence left out (a reward function gave it
+            no reward): its advantage is 0 and its reward (which may be NaN) takes no part in
+            its group's mean and std, as if it were not there. A group left with fewer valid
+            sequences than a baseline needs (2 with ``scale="std"``, 1 with "none") gets 0.
 
     Returns:
         (N,) advantages, floating point (at least fp32), in the input order.
@@ -99,6 +108,8 @@ def flat_group_advantages(
         raise ValueError(f"group_ids must be an integer tensor, got dtype {group_ids.dtype}")
     _check_scale_and_eps(scale, eps)
     r = _as_float(rewards)
+    if valid is not None:
+        return _valid_only(r, group_ids, valid, scale=scale, eps=eps)
     _check_finite(r)
     if r.numel() == 0:
         return r.clone()
@@ -129,6 +140,27 @@ def flat_group_advantages(
     sum_sq = torch.zeros_like(counts).index_add_(0, inverse, centered.square())
     std = (sum_sq / (counts - 1)).sqrt()
     return _standardize(centered, std[inverse], is_constant, eps)
+
+
+def _valid_only(r: Tensor, group_ids: Tensor, valid: Tensor, *, scale: Scale, eps: float) -> Tensor:
+    """`flat_group_advantages` over the valid sequences only, 0 for the others (and for groups
+    with too few valid sequences for a baseline)."""
+    if valid.shape != r.shape or valid.dtype != torch.bool:
+        raise ValueError(f"valid must be a bool tensor of shape {tuple(r.shape)}")
+    valid = valid.to(r.device)
+    _check_finite(r[valid])
+    out = torch.zeros_like(r)
+    if r.numel() == 0:
+        return out
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    if scale == "std" and bool((counts < 2).any()):  # as without a mask: lonely groups raise
+        flat_group_advantages(torch.where(valid, r, 0.0), group_ids, scale=scale, eps=eps)
+    per_group = torch.zeros(counts.shape, dtype=torch.long, device=r.device)
+    per_group.index_add_(0, inverse.to(r.device), valid.long())
+    keep = valid & (per_group[inverse.to(r.device)] >= (2 if scale == "std" else 1))
+    if bool(keep.any()):
+        out[keep] = flat_group_advantages(r[keep], group_ids[keep], scale=scale, eps=eps)
+    return out
 
 
 def _standardize(centered: Tensor, std: Tensor, is_constant: Tensor, eps: float) -> Tensor:

@@ -70,6 +70,14 @@ class TaskConfigBase(BaseModel):
         description="Reward functions and weights ('module:function', 'file.py:function' or "
         "'builtin:NAME'; docs/tasks.md); null = the task's built-in reward.",
     )
+    reward_max_error_share: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Stop the run when a reward function fails (raises, or returns something "
+        "that is not a finite number) on more than this share of the completions it scored in "
+        "a step; below it a failure scores 0 and is counted. 1 = never stop.",
+    )
     # The reward used when none is configured: a registered name ('builtin:gsm8k'), OWN_REWARD
     # (the task's own `reward` method, for plugin tasks), or None (one must be configured).
     default_reward: ClassVar[str | None] = OWN_REWARD

@@ -236,6 +236,13 @@ class PromptsTask:
         )
         return out + [{"role": "user", "content": problem.question}]
 
+    def row_chat(self, problem: Problem) -> list[dict[str, Any]] | None:
+        """The row's chat (its `messages` column) when the row is one, else None: a batched
+        reward gets it as the prompt and the completion as [{"role": "assistant", "content":
+        ...}], TRL's conversational form."""
+        got = problem.fields.get(self.cfg.messages_field)
+        return None if got is None else [dict(m) for m in got]
+
     def uses_chat_template(self, tokenizer: PreTrainedTokenizerBase) -> bool:
         has_template = getattr(tokenizer, "chat_template", None) is not None
         if self.cfg.use_chat_template is True and not has_template:

@@ -1,13 +1,21 @@
 """Rewards and advantages of a step's batch: every node scores every sample with its own
-verifier (a peer's claim is never used), then advantages per group (docs/math.md §2)."""
+verifier (a peer's claim is never used), then advantages per group (docs/math.md §2).
+
+A completion that no reward function gave a number (a batched function's None) is *excluded*:
+`score` gives it reward 0 and remembers it (this thread's latest `score`, by prompt, generator
+and tokens, so the memory survives the batch's selections and re-concatenations), and
+`advantages_for` gives it advantage 0 and leaves it out of its group's mean and std
+(`flat_group_advantages(valid=)`). The callers need not carry a mask (docs/tasks.md)."""
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
 from ftis.core.advantages import flat_group_advantages
 from ftis.rewards.decode import decode_for_reward
-from ftis.rewards.runtime import task_rewards
+from ftis.rewards.runtime import task_rewards_masked
 from ftis.rollout.types import RolloutBatch
 from ftis.tasks.base import Task
 
@@ -19,7 +27,34 @@ def score(task: Task, tokenizer, batch: RolloutBatch) -> torch.Tensor:
     train = task.split("train")
     texts = decode_for_reward(tokenizer, batch.completion_ids, batch.lengths)
     problems = [train[i] for i in batch.prompt_index.tolist()]
-    return torch.tensor(task_rewards(task, problems, texts), dtype=torch.float32)
+    rewards, excluded = task_rewards_masked(task, problems, texts)
+    keys = _row_keys(batch) if any(excluded) else []
+    _latest.excluded = frozenset(k for k, out in zip(keys, excluded) if out)
+    return torch.tensor(rewards, dtype=torch.float32)
+
+
+_latest = threading.local()  # .excluded: row keys the latest `score` of this thread excluded
+
+
+def _row_keys(batch: RolloutBatch) -> list[tuple]:
+    """(prompt, generator, completion tokens) of each sequence: what identifies it across
+    `select` and `concat` (which pad the ids)."""
+    ids = batch.completion_ids.detach().cpu()
+    return [
+        (p, g, tuple(ids[i, :n].tolist()))
+        for i, (p, g, n) in enumerate(
+            zip(batch.prompt_index.tolist(), batch.generator.tolist(), batch.lengths.tolist())
+        )
+    ]
+
+
+def excluded_rows(batch: RolloutBatch) -> torch.Tensor:
+    """(N,) bool: the sequences of `batch` that this thread's latest `score` excluded (no
+    reward function gave them a number)."""
+    keys = getattr(_latest, "excluded", frozenset())
+    if not keys or batch.num_sequences == 0:
+        return torch.zeros(batch.num_sequences, dtype=torch.bool)
+    return torch.tensor([k in keys for k in _row_keys(batch)], dtype=torch.bool)
 
 
 GroupBy = str  # "prompt" or "generator"
@@ -40,11 +75,23 @@ def group_ids(batch: RolloutBatch, by: GroupBy = "prompt") -> torch.Tensor:
 
 
 def advantages_for(
-    batch: RolloutBatch, rewards: torch.Tensor, scale: str, *, by: GroupBy = "prompt"
+    batch: RolloutBatch,
+    rewards: torch.Tensor,
+    scale: str,
+    *,
+    by: GroupBy = "prompt",
+    excluded: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Group-relative advantages; a group is every sequence of one prompt, or of one prompt
-    and one generator (`group_ids`; docs/math.md §2)."""
-    return flat_group_advantages(rewards, group_ids(batch, by), scale=scale)
+    and one generator (`group_ids`; docs/math.md §2). `excluded` (N,) bool (default: those
+    the latest `score` excluded, `excluded_rows`) get advantage 0 and take no part in their
+    group's mean and std."""
+    if excluded is None:
+        excluded = excluded_rows(batch)
+    if not bool(excluded.any()):
+        return flat_group_advantages(rewards, group_ids(batch, by), scale=scale)
+    valid = ~excluded.to(device=rewards.device, dtype=torch.bool)
+    return flat_group_advantages(rewards, group_ids(batch, by), scale=scale, valid=valid)
 
 
 def finite_rewards(rewards: torch.Tensor) -> tuple[torch.Tensor, int]:
