@@ -4,9 +4,10 @@ process of a running `ftis run` are read from /proc while it runs, for each mode
 Before issue 37 the F-TIS store listened on every interface (torch's TCPStore server binds the
 wildcard address), and so did gloo's pairs in gossip DPO. Ray 2.55's GCS, raylet and worker
 gRPC servers listen on every interface with no option to bind them elsewhere: for the Flower
-modes the test instead checks that those processes run with Ray's token authentication, and
-`test_an_outside_ray_driver_is_refused` that a driver without the run's token cannot connect
-(before, one ran code inside the run)."""
+modes the test instead checks that those processes run in a network namespace whose only
+interface is loopback (where the machine allows one: `ftis run` supervises the driver there) and
+with Ray's token authentication, and `test_an_outside_ray_driver_is_refused` that a driver
+without the run's token cannot connect (before, one ran code inside the run)."""
 
 from __future__ import annotations
 
@@ -42,12 +43,13 @@ def _inodes(pid: int) -> set[int]:
     return out
 
 
-def listening() -> dict[int, tuple[str, int]]:
-    """socket inode -> (local address, port) of every listening TCP socket on this machine."""
+def listening(pid: int | str = "self") -> dict[int, tuple[str, int]]:
+    """socket inode -> (local address, port) of every listening TCP socket in the network
+    namespace of process `pid`."""
     out = {}
-    for name, v4 in (("/proc/net/tcp", True), ("/proc/net/tcp6", False)):
+    for name, v4 in (("tcp", True), ("tcp6", False)):
         try:
-            lines = Path(name).read_text().splitlines()[1:]
+            lines = Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
@@ -62,6 +64,25 @@ def listening() -> dict[int, tuple[str, int]]:
                 ip = ipaddress.IPv6Address(b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4)))
             out[int(f[9])] = (str(ip), int(port, 16))
     return out
+
+
+def _netns(pid: int | str) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:
+        return "?"
+
+
+def loopback_only_netns(pid: int) -> bool:
+    """Whether `pid` lives in a network namespace other than this test's whose only interface
+    is loopback: nothing outside it can reach what listens there, on any address."""
+    if _netns(pid) in ("?", _netns("self")):
+        return False
+    try:
+        lines = Path(f"/proc/{pid}/net/dev").read_text().splitlines()[2:]
+    except OSError:
+        return False
+    return [x.split(":")[0].strip() for x in lines] == ["lo"]
 
 
 def _describe(pid: int) -> str:
@@ -81,22 +102,25 @@ def _environ(pid: int) -> dict[str, str]:
 
 def watch(proc: subprocess.Popen, timeout_s: float = 300) -> dict[tuple[int, str, int], str]:
     """Every (pid, address, port) that a process below `proc` listened on while it ran, with
-    the process's command line; sampled every 0.1 s until it exits."""
+    the process's command line, and for a listener beyond loopback whether it ran in a network
+    namespace of loopback only and with Ray's token; sampled every 0.1 s until it exits."""
     seen: dict[tuple[int, str, int], str] = {}
     deadline = time.monotonic() + timeout_s
     while proc.poll() is None:
         assert time.monotonic() < deadline, "the run did not finish in time"
-        socks = listening()
         for pid in {proc.pid, *descendants(proc.pid)}:
+            socks = listening(pid)
             for inode in _inodes(pid) & socks.keys():
                 key = (pid, *socks[inode])
-                if key not in seen:
-                    seen[key] = _describe(pid)
-                    if not ipaddress.ip_address(socks[inode][0]).is_loopback:
-                        env = _environ(pid)
-                        seen[key] += " | RAY_AUTH_MODE=" + (
-                            env.get("RAY_AUTH_MODE", "") if env else "?"
-                        )
+                if key in seen:
+                    continue
+                seen[key] = _describe(pid)
+                if not ipaddress.ip_address(socks[inode][0]).is_loopback:
+                    env = _environ(pid)
+                    seen[key] += " | netns=" + ("lo-only" if loopback_only_netns(pid) else "host")
+                    seen[key] += " | RAY_AUTH_MODE=" + (
+                        env.get("RAY_AUTH_MODE", "") if env else "?"
+                    )
         time.sleep(0.1)
     return seen
 
@@ -164,10 +188,13 @@ def test_a_run_listens_on_loopback_only(tmp_path, mode):
     if mode not in RAY_MODES:
         assert not outside, f"non-loopback listeners: {outside}"
         return
-    # Ray's servers (in its own processes, and the driver's core worker in the launcher) cannot
-    # be bound to loopback: each must run with token authentication (or be a Ray process that
-    # was gone before its environment could be read)
+    # Ray's servers (in its own processes and the driver's core worker) cannot be bound to
+    # loopback: where the machine allows it they run in a network namespace of loopback only
+    # (`ftis run` supervises the driver there); everywhere they require the run's token
+    from ftis.cli import _can_isolate
+
     for v in outside.values():
+        assert "netns=lo-only" in v or not _can_isolate(), v
         token = v.endswith("RAY_AUTH_MODE=token")
         assert token or (v.endswith("RAY_AUTH_MODE=?") and any(r in v for r in RAY_PROCESSES)), v
 

@@ -73,10 +73,47 @@ def _needs_supervisor(cfg) -> bool:
     return True
 
 
+ISOLATED_ENV = "FTIS_NET_ISOLATED"  # set in a supervised run that has its own network namespace
+
+
+def _can_isolate() -> bool:
+    """Whether a supervised run can get a network namespace of its own (Linux with unshare(1)
+    and user namespaces; FTIS_NET_ISOLATION=0 turns it off). Not when W&B is set to sync online,
+    which needs the network."""
+    import shutil
+    import subprocess
+
+    if os.environ.get("FTIS_NET_ISOLATION", "1") == "0" or shutil.which("unshare") is None:
+        return False
+    if os.environ.get("WANDB_MODE", "offline") not in ("offline", "disabled", "dryrun"):
+        return False
+    try:
+        probe = subprocess.run(
+            ["unshare", "--net", "--map-root-user", "true"], capture_output=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+def loopback_up() -> None:
+    """Bring up the loopback interface of this (new, empty) network namespace."""
+    import fcntl
+    import socket
+    import struct
+
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        req = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(sock, siocgifflags, req))[1]
+        fcntl.ioctl(sock, siocsifflags, struct.pack("16sH14x", b"lo", flags | iff_up))
+
+
 def _supervise(cfg, run_dir: Path, args: list[str]) -> int:
     """Run this same command in a child process (its own process group: a signal reaches it
-    once, passed on by this one) and, if it ends without ftis ending it (Ray's core worker
-    killed its driver), say so with how to continue, and end whatever it left behind."""
+    once, passed on by this one; its own network namespace with only loopback where the
+    machine allows it, `_can_isolate`) and, if it ends without ftis ending it (Ray's core
+    worker killed its driver), say so with how to continue, and end whatever it left behind."""
     import signal
     import subprocess
     import tempfile
@@ -89,6 +126,16 @@ def _supervise(cfg, run_dir: Path, args: list[str]) -> int:
     status.unlink()
     entry = "import sys; from ftis.cli import main; sys.argv[0] = 'ftis'; main()"
     cmd = [sys.executable, "-c", entry, *args]
+    env = {**os.environ, SUPERVISED_ENV: status_name}
+    if _can_isolate():
+        # a network namespace of its own, with only loopback: Ray's servers listen on every
+        # interface, and there no other host can reach them
+        entry = (
+            "import sys; from ftis.cli import main, loopback_up; loopback_up(); "
+            "sys.argv[0] = 'ftis'; main()"
+        )
+        cmd = ["unshare", "--net", "--map-root-user", "--", sys.executable, "-c", entry, *args]
+        env[ISOLATED_ENV] = "1"
     dies = die_with_parent()
 
     def preexec() -> None:
@@ -97,9 +144,7 @@ def _supervise(cfg, run_dir: Path, args: list[str]) -> int:
             dies()
 
     with reaping_orphans(what="Ray"):
-        child = subprocess.Popen(
-            cmd, env={**os.environ, SUPERVISED_ENV: status_name}, preexec_fn=preexec
-        )
+        child = subprocess.Popen(cmd, env=env, preexec_fn=preexec)
         previous = {}
 
         def forward(signum, frame):
