@@ -388,7 +388,23 @@ def zero_reward_warnings(rows: list[dict[str, Any]]) -> list[str]:
             "the prompt never asks for; a reward that raises; a model too weak for the task "
             "(docs/tasks.md)."
         )
-    return out + reward_failure_warnings(rows)
+    return out + reward_failure_warnings(rows) + skipped_rows_warnings(rows)
+
+
+def skipped_rows_warnings(rows: list[dict[str, Any]]) -> list[str]:
+    """One line when the task skipped malformed rows of its data (`task.skip_bad_rows`; rows'
+    `data/skipped_rows`, the same for every node, which loads the same data)."""
+    counts = [
+        float(r["data/skipped_rows"])
+        for r in rows
+        if isinstance(r.get("data/skipped_rows"), int | float)
+    ]
+    if not counts or not max(counts):
+        return []
+    return [
+        f"the task's data: {int(max(counts))} malformed row(s) were skipped "
+        "(task.skip_bad_rows; each node's log names the first ones)."
+    ]
 
 
 def reward_failure_warnings(rows: list[dict[str, Any]]) -> list[str]:

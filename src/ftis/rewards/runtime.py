@@ -395,6 +395,7 @@ class RewardedTask:
         self.reward_fn = reward
         self.name = task.name
         self.eval_splits = task.eval_splits
+        self._skipped_reported = False
         share = getattr(getattr(task, "cfg", None), "reward_max_error_share", None)
         if isinstance(share, int | float) and not isinstance(share, bool):
             reward.max_error_share = float(share)
@@ -425,7 +426,15 @@ class RewardedTask:
         return self.rewards([problem], [completion])[0]
 
     def pop_reward_stats(self) -> dict[str, Any]:
-        return self.reward_fn.pop_stats()
+        """The reward's counters (`Reward.pop_stats`); the first row also gets
+        `data/skipped_rows` when the task counts malformed rows it skipped
+        (`task.skip_bad_rows`)."""
+        out = self.reward_fn.pop_stats()
+        skipped = getattr(self.task, "skipped_rows", None)
+        if isinstance(skipped, int) and not self._skipped_reported:
+            self._skipped_reported = True
+            out["data/skipped_rows"] = float(skipped)
+        return out
 
 
 def task_rewards(task: Any, problems: Sequence[Problem], completions: Sequence[str]) -> list[float]:

@@ -26,6 +26,8 @@ import os
 import re
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from dataclasses import field as _field
 from functools import lru_cache
 from importlib.resources import files
 from pathlib import Path
@@ -164,8 +166,29 @@ def gold_answer(answer: Any) -> str:
 def load_records(spec: str, *, field: str, default_split: str) -> list[dict[str, Any]]:
     """Read the records of ``spec`` (see ``GSM8KTaskConfig.train_file``); ``field`` names the
     config field in error messages."""
+    return read_records(spec, field=field, default_split=default_split).records
+
+
+@dataclass
+class Records:
+    """What `read_records` read: the records, where each one is in its source (``FILE:LINE``
+    of a .jsonl file, 1-based; ``FILE record N`` of a .json list, ``FILE row N`` of a parquet
+    file or a dataset, 1-based), and the reasons of the lines skipped (``skip_bad``)."""
+
+    records: list[Any]
+    where: list[str]
+    skipped: list[str] = _field(default_factory=list)
+
+
+def read_records(
+    spec: str, *, field: str, default_split: str, skip_bad: bool = False, hint: str = ""
+) -> Records:
+    """`load_records` with where each record is; a .jsonl line that is not valid UTF-8 or JSON
+    is skipped (its reason kept) when `skip_bad`, else one error naming its line (`hint`
+    appended). A UTF-8 BOM at the start of a .jsonl/.json file is accepted."""
     if spec.startswith(HF_SCHEME):
-        return _load_hub(spec, field=field, default_split=default_split)
+        rows = _load_hub(spec, field=field, default_split=default_split)
+        return Records(rows, [f"{spec} row {i}" for i in range(1, len(rows) + 1)])
     path = (
         fixture_path(spec[len(FIXTURE_SCHEME) :]) if spec.startswith(FIXTURE_SCHEME) else Path(spec)
     )
@@ -176,23 +199,38 @@ def load_records(spec: str, *, field: str, default_split: str) -> list[dict[str,
         )
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        records = []
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
+        out = Records([], [])
+        with path.open("rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                why = None
                 try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise TaskDataError(f"{field}: {path}:{lineno} is not valid JSON: {e}") from e
-    elif suffix == ".json":
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    why = f"is not valid UTF-8 ({e.reason} at byte {e.start})"
+                else:
+                    if not line.strip():
+                        continue
+                    try:
+                        out.records.append(json.loads(line))
+                        out.where.append(f"{path}:{lineno}")
+                        continue
+                    except json.JSONDecodeError as e:
+                        why = f"is not valid JSON: {e}"
+                if not skip_bad:
+                    raise TaskDataError(f"{field}: {path}:{lineno} {why}{hint}")
+                out.skipped.append(f"{path}:{lineno} {why}")
+        return out
+    if suffix == ".json":
         try:
-            records = json.loads(path.read_text(encoding="utf-8"))
+            records = json.loads(path.read_text(encoding="utf-8-sig"))
+        except UnicodeDecodeError as e:
+            raise TaskDataError(f"{field}: {path} is not valid UTF-8: {e}") from e
         except json.JSONDecodeError as e:
             raise TaskDataError(f"{field}: {path} is not valid JSON: {e}") from e
         if not isinstance(records, list):
             raise TaskDataError(f"{field}: {path} must hold a JSON list of records")
-    elif suffix == ".parquet":
+        return Records(records, [f"{path} record {i}" for i in range(1, len(records) + 1)])
+    if suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError as e:
@@ -201,9 +239,8 @@ def load_records(spec: str, *, field: str, default_split: str) -> list[dict[str,
                 "(or convert the file to .jsonl)"
             ) from e
         records = pq.read_table(path).to_pylist()
-    else:
-        raise TaskDataError(f"{field}: {path} has suffix {suffix!r}; use .jsonl, .json or .parquet")
-    return records
+        return Records(records, [f"{path} row {i}" for i in range(1, len(records) + 1)])
+    raise TaskDataError(f"{field}: {path} has suffix {suffix!r}; use .jsonl, .json or .parquet")
 
 
 def _load_hub(spec: str, *, field: str, default_split: str) -> list[dict[str, Any]]:

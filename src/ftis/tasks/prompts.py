@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from ftis.tasks.base import Problem, TaskConfigBase, TaskDataError, as_id_list, plain_prompt_ids
-from ftis.tasks.gsm8k import HF_SCHEME, load_records
+from ftis.tasks.gsm8k import HF_SCHEME, Records, read_records
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -75,6 +75,12 @@ class PromptsTaskConfig(TaskConfigBase):
         description="Column holding a completion in the format your reward wants; a warm start "
         "trains on it (a warm start without it is refused).",
     )
+    skip_bad_rows: bool = Field(
+        False,
+        description="Skip and count malformed rows (a line that is not JSON, a row without a "
+        "prompt, an empty or non-string prompt, a bad chat) instead of stopping at the first; "
+        "the count is logged and in the report.",
+    )
 
     @field_validator("train_file", "test_file", mode="before")
     @classmethod
@@ -96,18 +102,43 @@ class PromptsTaskConfig(TaskConfigBase):
         return None
 
 
+SKIP_HINT = "; fix the row, or set task.skip_bad_rows: true to skip and count such rows"
+
+
 def load_rows(spec: str, *, field: str, default_split: str) -> list[dict[str, Any]]:
     """The rows of a file, a local dataset directory or hf://...; `field` names the config field
     in errors."""
+    return read_rows(spec, field=field, default_split=default_split).records
+
+
+def read_rows(spec: str, *, field: str, default_split: str, skip_bad: bool = False) -> Records:
+    """`load_rows` with where each row is (FILE:LINE of a .jsonl or .csv file, 1-based file
+    lines; FILE record N / row N otherwise) and, with `skip_bad`, the lines that could not be
+    read. A UTF-8 BOM is accepted."""
     if spec.startswith(HF_SCHEME) or Path(spec).is_dir():
-        return _load_dataset(spec, field=field, default_split=default_split)
+        rows = _load_dataset(spec, field=field, default_split=default_split)
+        return Records(rows, [f"{spec} row {i}" for i in range(1, len(rows) + 1)])
     if Path(spec).suffix.lower() == ".csv":
         path = Path(spec)
         if not path.is_file():
             raise TaskDataError(f"{field}: file not found: {spec!r} (from {os.getcwd()!r})")
-        with path.open(encoding="utf-8", newline="") as f:
-            return [dict(r) for r in csv.DictReader(f)]
-    return load_records(spec, field=field, default_split=default_split)
+        out = Records([], [])
+        try:
+            with path.open(encoding="utf-8-sig", newline="") as f:
+                reader = csv.DictReader(f)
+                start = 2  # the header is line 1
+                for row in reader:
+                    out.records.append(dict(row))
+                    out.where.append(f"{path}:{start}")
+                    start = reader.line_num + 1
+        except UnicodeDecodeError as e:
+            raise TaskDataError(f"{field}: {path} is not valid UTF-8: {e}") from e
+        except csv.Error as e:
+            raise TaskDataError(f"{field}: {path}:{reader.line_num} is not valid CSV: {e}") from e
+        return out
+    return read_records(
+        spec, field=field, default_split=default_split, skip_bad=skip_bad, hint=SKIP_HINT
+    )
 
 
 def _load_dataset(spec: str, *, field: str, default_split: str) -> list[dict[str, Any]]:
@@ -162,62 +193,110 @@ class PromptsTask:
         raw = cfg if isinstance(cfg, Mapping) else cfg.model_dump()
         self.cfg = PromptsTaskConfig.model_validate(raw)
         c = self.cfg
-        train = load_rows(c.train_file, field="train_file", default_split="train")
+        skip = c.skip_bad_rows
+        train = read_rows(c.train_file, field="train_file", default_split="train", skip_bad=skip)
+        skipped = list(train.skipped)
+        rows, where = train.records, train.where
         if c.test_file is not None:
-            test = load_rows(c.test_file, field="test_file", default_split="test")
+            test = read_rows(c.test_file, field="test_file", default_split="test", skip_bad=skip)
+            skipped += test.skipped
+            test_rows, test_where = test.records, test.where
         else:
-            order = list(range(len(train)))
+            order = list(range(len(rows)))
             random.Random(c.split_seed).shuffle(order)
-            n_test = max(1, math.ceil(c.test_fraction * len(train)))
-            if len(train) - n_test < 1:
+            n_test = max(1, math.ceil(c.test_fraction * len(rows)))
+            if len(rows) - n_test < 1:
                 raise TaskDataError(
-                    f"train_file: {c.train_file!r} has {len(train)} rows, too few to hold out "
+                    f"train_file: {c.train_file!r} has {len(rows)} rows, too few to hold out "
                     f"test_fraction={c.test_fraction}; add rows or give a test_file"
                 )
             held = set(order[:n_test])
-            test = [r for i, r in enumerate(train) if i in held]
-            train = [r for i, r in enumerate(train) if i not in held]
+            test_rows = [r for i, r in enumerate(rows) if i in held]
+            test_where = [w for i, w in enumerate(where) if i in held]
+            rows = [r for i, r in enumerate(rows) if i not in held]
+            where = [w for i, w in enumerate(where) if i not in held]
         if c.test_size is not None:
-            test = test[: c.test_size]
+            test_rows, test_where = test_rows[: c.test_size], test_where[: c.test_size]
+        train_problems = self._problems(rows, where, "train_file", skipped)
+        test_field = "test_file" if c.test_file else "train_file"
         self._splits = {
-            "train": self._problems(train, "train_file"),
-            "test": self._problems(test, "test_file" if c.test_file else "train_file"),
+            "train": train_problems,
+            "test": self._problems(test_rows, test_where, test_field, skipped),
         }
+        self.skipped_rows = len(skipped)
+        if skipped:
+            shown = "; ".join(skipped[:3]) + ("; ..." if len(skipped) > 3 else "")
+            logger.warning(
+                "prompts task: skipped %d malformed row(s) (task.skip_bad_rows): %s",
+                len(skipped),
+                shown,
+            )
         self.eval_splits: tuple[str, ...] = ("test",)
         logger.info("prompts task: %s", {k: len(v) for k, v in self._splits.items()})
 
-    def _problems(self, rows: list[Any], field: str) -> tuple[Problem, ...]:
-        c = self.cfg
-        if not rows:
-            raise TaskDataError(f"{field}: no rows")
-        out = []
-        for i, row in enumerate(rows):
-            if not isinstance(row, Mapping):
-                raise TaskDataError(f"{field}: row {i} is not an object: {row!r:.80}")
-            messages = row.get(c.messages_field)
-            if messages is not None:
-                if not isinstance(messages, list) or not all(
-                    isinstance(m, Mapping) and "role" in m and "content" in m for m in messages
-                ):
-                    raise TaskDataError(
-                        f"{field}: row {i}: {c.messages_field!r} must be a list of "
-                        "{role, content} objects"
-                    )
-                question = _plain_chat(messages)
-            elif row.get(c.prompt_field) is not None:
-                question = str(row[c.prompt_field])
-            else:
-                raise TaskDataError(
-                    f"{field}: row {i} has neither {c.prompt_field!r} nor {c.messages_field!r} "
-                    f"(columns: {sorted(row)}); set prompt_field or messages_field"
-                )
-            if field == "train_file" and c.warmstart_field and row.get(c.warmstart_field) is None:
-                raise TaskDataError(
-                    f"{field}: row {i} has no {c.warmstart_field!r} (warmstart_field); add it to "
-                    "every row or unset warmstart_field"
-                )
-            out.append(Problem(i, question, str(row.get("answer", "")), fields=dict(row)))
+    def _problems(
+        self, rows: list[Any], where: list[str], field: str, skipped: list[str]
+    ) -> tuple[Problem, ...]:
+        """The problems of `rows` (`where[i]` says where row i is, for errors); a malformed row
+        is one error, or (skip_bad_rows) skipped with its reason appended to `skipped`."""
+        out: list[Problem] = []
+        for row, at in zip(rows, where):
+            why = self._row_error(row, field)
+            if why is not None:
+                if not self.cfg.skip_bad_rows:
+                    raise TaskDataError(f"{field}: {at}: {why}{SKIP_HINT}")
+                skipped.append(f"{at}: {why}")
+                continue
+            out.append(
+                Problem(len(out), self._question(row), str(row.get("answer", "")), dict(row))
+            )
+        if not out:
+            raise TaskDataError(
+                f"{field}: no rows" + (" left after skipping the malformed ones" if rows else "")
+            )
         return tuple(out)
+
+    def _row_error(self, row: Any, field: str) -> str | None:
+        """Why `row` cannot be a problem (None when it can)."""
+        c = self.cfg
+        if not isinstance(row, Mapping):
+            return f"the row is not an object: {row!r:.80}"
+        messages = row.get(c.messages_field)
+        if messages is not None:
+            if (
+                not isinstance(messages, list)
+                or not messages
+                or not all(
+                    isinstance(m, Mapping) and "role" in m and "content" in m for m in messages
+                )
+            ):
+                return f"{c.messages_field!r} must be a non-empty list of {{role, content}} objects"
+        elif row.get(c.prompt_field) is not None:
+            prompt = row[c.prompt_field]
+            if not isinstance(prompt, str):
+                return (
+                    f"{c.prompt_field!r} is a {type(prompt).__name__} ({prompt!r:.40}), not a "
+                    "string"
+                )
+            if not prompt.strip():
+                return f"{c.prompt_field!r} is empty"
+        else:
+            return (
+                f"the row has neither {c.prompt_field!r} nor {c.messages_field!r} (columns: "
+                f"{sorted(map(str, row))}); set prompt_field or messages_field"
+            )
+        if field == "train_file" and c.warmstart_field and row.get(c.warmstart_field) is None:
+            return (
+                f"the row has no {c.warmstart_field!r} (warmstart_field); add it to every row "
+                "or unset warmstart_field"
+            )
+        return None
+
+    def _question(self, row: Mapping[str, Any]) -> str:
+        messages = row.get(self.cfg.messages_field)
+        if messages is not None:
+            return _plain_chat(messages)
+        return row[self.cfg.prompt_field]
 
     def split(self, name: str) -> Sequence[Problem]:
         if name not in self._splits:
