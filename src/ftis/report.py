@@ -7,6 +7,12 @@ runs. Everything is recomputed from metrics.jsonl, so `ftis report` can redraw a
 
 No data is absent, never 0: a table cell a node has no value for is '-', and a column (or a
 plot panel) no node has a value for is left out (`table_lines`).
+
+Two readings of an evaluation: its mean greedy reward (`eval/<split>/accuracy` in the rows) and
+the share of problems *solved*, whose greedy reward is above 0 (evals.jsonl, which the paired
+change counts; `load_rows` adds it to the rows as `eval/<split>/solved`). With a 0/1 reward
+they are the same number, shown once as "acc"; when they differ (a partial-credit or weighted
+reward) the summary shows both, labelled "mean reward" and "solved (reward > 0)".
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from ftis.train.metrics import read_metrics
+from ftis.train.metrics import decode_outcomes, read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +46,51 @@ def load_rows(run_dir: Path) -> list[dict[str, Any]]:
     rows = read_metrics(path)
     if not rows:
         raise ReportError(f"{path} has no rows yet")
+    _add_solved(rows, Path(run_dir))
     return rows
+
+
+SOLVED = "reward > 0"  # what makes a problem solved (ftis.train.evaluate's outcomes)
+
+
+def _add_solved(rows: list[dict[str, Any]], run_dir: Path) -> None:
+    """Put each evaluation's solved share (evals.jsonl: the share of the split's problems whose
+    greedy reward is above 0) into its node's metrics row of that step, as
+    `eval/<split>/solved` (in memory: metrics.jsonl is not changed). Nothing without
+    evals.jsonl; a malformed line is skipped."""
+    path = run_dir / "evals.jsonl"
+    if not path.exists():
+        return
+    by_step: dict[tuple[Any, Any, str], dict[str, Any]] = {}
+    for r in rows:
+        for k in r:
+            if k.startswith("eval/") and k.endswith("/accuracy") and k.count("/") == 2:
+                by_step[(r.get("node"), r.get("step"), k.split("/")[1])] = r
+    for e in read_metrics(path):
+        try:
+            n = int(e["n"])
+            share = float(decode_outcomes(e["correct"], n).mean()) if n else None
+            row = by_step.get((e["node"], e["step"], str(e["split"])))
+        except (KeyError, TypeError, ValueError):
+            continue
+        if row is not None and share is not None:
+            row[f"eval/{e['split']}/solved"] = share
+
+
+def partial_credit_splits(rows: list[dict[str, Any]]) -> list[str]:
+    """The eval splits whose mean reward and solved share differ at some evaluation (a reward
+    that is not 0/1): their summary shows both."""
+    out = []
+    for split in eval_splits(rows):
+        acc, solved = f"eval/{split}/accuracy", f"eval/{split}/solved"
+        if any(
+            r.get(acc) is not None
+            and r.get(solved) is not None
+            and abs(float(r[acc]) - float(r[solved])) > 1e-9
+            for r in rows
+        ):
+            out.append(split)
+    return out
 
 
 def nodes_in(rows: list[dict[str, Any]]) -> list[str]:
@@ -66,6 +116,9 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if vals:
                 s[f"{split}_before"], s[f"{split}_after"] = vals[0], vals[-1]
                 s.update(_same_clients(rows, node, f"eval/{split}/accuracy", split, steps))
+            _, solved = _series(rows, node, f"eval/{split}/solved")
+            if solved:
+                s[f"{split}_solved_before"], s[f"{split}_solved_after"] = solved[0], solved[-1]
         for k in pass_ks(rows):
             steps, vals = _series(rows, node, f"eval/pass@{k}")
             if vals:
@@ -166,24 +219,36 @@ def drop_empty_columns(
 
 def summary_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the per-node summary, as strings (shared by report.md and the CLI).
-    A node without a figure its peers have shows '-'; a figure no node has is no column."""
+    A node without a figure its peers have shows '-'; a figure no node has is no column. A
+    split whose mean reward and solved share differ (`partial_credit_splits`) gets two
+    columns, "<split> mean reward" and "<split> solved (reward > 0)"; the others one, "<split>
+    acc", the number both readings agree on."""
     splits = eval_splits(rows)
+    partial = set(partial_credit_splits(rows))
     passes = [f"pass@{k}" for k in pass_ks(rows)]
-    header = (
-        ["node"]
-        + [f"{s} acc before -> after" for s in splits]
-        + [f"{p} before -> after" for p in passes]
-        + ["filtered", "bytes/token", "node time (s)"]
-    )
+    header = ["node"]
+    for s in splits:
+        if s in partial:
+            header += [f"{s} mean reward before -> after", f"{s} solved ({SOLVED}) before -> after"]
+        else:
+            header.append(f"{s} acc before -> after")
+    header += [f"{p} before -> after" for p in passes]
+    header += ["filtered", "bytes/token", "node time (s)"]
     body: list[list[str | None]] = []
     for s in summarize(rows):
         line: list[str | None] = [s["node"]]
         for sp in splits + passes:
             before, after = s.get(f"{sp}_before"), s.get(f"{sp}_after")
-            cell = None if before is None else f"{_fmt(before, True)} -> {_fmt(after, True)}"
+            if sp in partial:
+                cell = None if before is None else f"{before:.3f} -> {after:.3f}"
+            else:
+                cell = None if before is None else f"{_fmt(before, True)} -> {_fmt(after, True)}"
             if cell is not None and f"{sp}_clients" in s:  # the same clients before and after
                 cell += " (the {} of {} clients evaluated at both)".format(*s[f"{sp}_clients"])
             line.append(cell)
+            if sp in partial:
+                b, a = s.get(f"{sp}_solved_before"), s.get(f"{sp}_solved_after")
+                line.append(None if b is None else f"{_fmt(b, True)} -> {_fmt(a, True)}")
         line += [
             _opt(s.get("loss/filtered_frac"), True),
             _opt(s.get("exchange/bytes_per_token")),
@@ -215,7 +280,8 @@ def _plot_accuracy(rows, path: Path, label_prefix: str = "", axes=None) -> None:
             x, y = _series(rows, node, f"eval/{split}/accuracy")
             if x:
                 ax.plot(x, [100 * v for v in y], marker="o", ms=3, label=f"{label_prefix}{node}")
-        ax.set_title(f"greedy accuracy: {split}")
+        partial = split in partial_credit_splits(rows)
+        ax.set_title(f"greedy {'mean reward (x100)' if partial else 'accuracy'}: {split}")
         ax.set_xlabel("step")
         ax.set_ylabel("%")
         ax.grid(alpha=0.3)
@@ -284,6 +350,13 @@ def write_report(run_dir: Path) -> Path:
         lines.append(
             "Accuracy is greedy, on at most `eval.size` problems per split; 'before' is step 0."
         )
+        if partial_credit_splits(rows):
+            lines.append(
+                "The reward is not 0/1, so each such split has two figures: 'mean reward', the "
+                "mean greedy reward (`eval/<split>/accuracy` in metrics.jsonl), and 'solved', the "
+                f"share of problems whose greedy reward is above 0 ({SOLVED}; evals.jsonl), which "
+                "the paired change below counts. 'acc' is the one number both readings give."
+            )
     if any(h.startswith("pass@") for h in header):
         lines.append(
             "pass@k is the unbiased estimate from `eval.pass_samples` samples per problem (at the "
@@ -338,15 +411,24 @@ def change_section(run_dir: Path) -> list[str]:
             )
     if not body:
         return []
-    header = ["node", "split", "steps", "problems", "change (points) [95% interval]", "reading"]
+    header = [
+        "node",
+        "split",
+        "steps",
+        "problems",
+        f"solved ({SOLVED}): change (points) [95% interval]",
+        "reading",
+    ]
     return [
         "### Change over the run, paired by problem",
         "",
         *table_lines(header, body),
         "",
-        "The last evaluation's greedy accuracy minus the first's, on the same problems; the "
-        "interval is a bootstrap over those problems, so it covers which problems were drawn, not "
-        "how another training seed would have gone (`ftis sweep` pairs seeds).",
+        "The last evaluation's share of problems solved (greedy reward above 0) minus the "
+        "first's, on the same problems: the summary's 'acc', or its 'solved' column where the "
+        "reward is not 0/1 (its mean reward has no per-problem record to pair). The interval is "
+        "a bootstrap over those problems, so it covers which problems were drawn, not how "
+        "another training seed would have gone (`ftis sweep` pairs seeds).",
         "",
     ]
 
