@@ -178,10 +178,12 @@ def _each_step_once(out: Path, nodes, steps: int) -> None:
 @pytest.mark.chaos
 @pytest.mark.parametrize("mode", _cases(MULTI, "pause one past its deadline"))
 def test_a_participant_paused_past_the_deadline(tmp_path, mode):
-    """b is stopped (SIGSTOP) for longer than the exchange's deadline, then continued. a drops
-    it after the deadline (counted in a's rows), does not wait for it again, and finishes; b
-    finds its peer lost or gone and finishes alone: both have every step's row once, the run
-    exits 0, nothing is left behind."""
+    """b is stopped (SIGSTOP) for longer than the exchange's deadline, then continued. a gives
+    up on it after the deadline (counted in a's rows) and finishes; b finishes too: both have
+    every step's row once, the run exits 0, nothing is left behind. Over the F-TIS store (F-TIS,
+    ReCo, CoRP) a either drops b (its heartbeat stopped for the deadline) or, when b's payload
+    deadline comes first, skips it for that round (`exchange/missed_payloads`, issue 37) and
+    collaborates with it again once it is back."""
     steps = 6
     data = _config(mode, steps)
     steps = data["train"]["steps"]
@@ -191,7 +193,10 @@ def test_a_participant_paused_past_the_deadline(tmp_path, mode):
     _each_step_once(out, ("a", "b"), steps)
     counter = MULTI[mode][1]
     a = {r["step"]: r for r in _all_rows(out) if r["node"] == "a"}
-    assert a[steps].get(counter, 0) >= 1, (counter, a[steps])
+    gave_up = a[steps].get(counter, 0)
+    if counter == "exchange/lost_peers":
+        gave_up += a[steps].get("exchange/missed_payloads", 0)
+    assert gave_up >= 1, (counter, a[steps])
     assert not _mentions(out)
 
 

@@ -509,6 +509,8 @@ class PopulationAlgorithm:
             "population/rejected": float(rejected),
             "population/rejected_total": self.counters["rejected_total"],
             "exchange/lost_peers": float(len(self.transport.stats.lost)),
+            # a party skipped for a round (late, or its record overwritten): issue 37
+            "exchange/missed_payloads": float(self.transport.stats.missed),
         }
 
     def _tokens(self, tokens: int) -> dict[str, float]:
