@@ -307,7 +307,7 @@ def _listeners() -> dict[int, str]:
     return out
 
 
-@pytest.mark.chaos_case("F-TIS", "non-loopback listener")
+@pytest.mark.chaos_case("F-TIS", "the store's socket off loopback")
 def test_the_store_listens_on_loopback_only():
     server, _, port = host_store()
     try:
