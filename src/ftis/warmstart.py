@@ -53,10 +53,21 @@ def cache_root() -> Path:
 MIX_FIELDS = {"arithmetic": "ops", "reasoning": "skills"}
 
 
+# Task fields that only RL reads: never part of a warm start's key.
+RL_ONLY_TASK_FIELDS = frozenset({"reward", "reward_max_error_share"})
+# Fields added after warm starts were shipped, left out of the key at these values so that the
+# keys of every earlier config (and the shipped bases they name) stay what they were.
+KEY_NEUTRAL_DEFAULTS = {"skip_bad_rows": False}
+
+
 def _task_payload(task_cfg: BaseModel) -> dict:
-    """What of the task config decides a warm start: everything but its reward (which only RL
-    reads), plus the version of the task's supervised target format when it declares one."""
-    payload = task_cfg.model_dump(exclude={"reward"})
+    """What of the task config decides a warm start: everything but what only RL reads (its
+    reward and the reward's failure bound), plus the version of the task's supervised target
+    format when it declares one."""
+    payload = task_cfg.model_dump(exclude=set(RL_ONLY_TASK_FIELDS))
+    for field, neutral in KEY_NEUTRAL_DEFAULTS.items():
+        if field in payload and payload[field] == neutral:
+            del payload[field]
     target = getattr(type(task_cfg), "warmstart_target_format", None)
     return payload if target is None else {**payload, "warmstart_target_format": target}
 
