@@ -424,13 +424,7 @@ class GSM8KTask:
         return self._splits[name]
 
     def uses_chat_template(self, tokenizer: PreTrainedTokenizerBase) -> bool:
-        has_template = getattr(tokenizer, "chat_template", None) is not None
-        if self.cfg.use_chat_template is True and not has_template:
-            raise ValueError(
-                "use_chat_template is true but the tokenizer has no chat template: set "
-                "use_chat_template to null (auto) or false, or use a tokenizer with a template"
-            )
-        return has_template and self.cfg.use_chat_template is not False
+        return chat_template_in_use(self.cfg.use_chat_template, tokenizer)
 
     def prompt_ids(self, problem: Problem, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         """Chat template (system + user, generation prompt) when used, else ``PLAIN_PROMPT``."""
@@ -470,6 +464,19 @@ def warmstart_target(solution: str, gold: str) -> str:
         reasoning = ""
     think = f"<think> {reasoning} </think>" if reasoning else "<think> </think>"
     return f"{think}<answer> {gold} </answer>"
+
+
+def chat_template_in_use(setting: bool | None, tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether a task renders its prompts through the tokenizer's chat template: `setting` is
+    the task's `use_chat_template` (None: when the tokenizer has one); true without a template
+    is an error."""
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    if setting is True and not has_template:
+        raise ValueError(
+            "task.use_chat_template is true but the tokenizer has no chat template: set it to "
+            "null (auto) or false, or use a tokenizer with a template"
+        )
+    return has_template and setting is not False
 
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, system: str, question: str) -> list[int]:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from ftis.tasks.base import Problem, TaskConfigBase, TaskDataError, as_id_list, plain_prompt_ids
-from ftis.tasks.gsm8k import HF_SCHEME, Records, read_records
+from ftis.tasks.gsm8k import HF_SCHEME, Records, chat_template_in_use, read_records
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -323,13 +323,7 @@ class PromptsTask:
         return None if got is None else [dict(m) for m in got]
 
     def uses_chat_template(self, tokenizer: PreTrainedTokenizerBase) -> bool:
-        has_template = getattr(tokenizer, "chat_template", None) is not None
-        if self.cfg.use_chat_template is True and not has_template:
-            raise ValueError(
-                "task.use_chat_template is true but the tokenizer has no chat template: set it "
-                "to null (auto) or false"
-            )
-        return has_template and self.cfg.use_chat_template is not False
+        return chat_template_in_use(self.cfg.use_chat_template, tokenizer)
 
     def prompt_ids(self, problem: Problem, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         """The chat through the tokenizer's template (ending in the assistant turn) when used,

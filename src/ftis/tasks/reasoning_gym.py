@@ -53,7 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ftis.rewards import RewardTerm, register_reward
 from ftis.tasks.base import Problem, TaskConfigBase, TaskDataError, plain_prompt_ids
-from ftis.tasks.gsm8k import PLAIN_PROMPT, chat_prompt_ids
+from ftis.tasks.gsm8k import PLAIN_PROMPT, chat_prompt_ids, chat_template_in_use
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -441,13 +441,7 @@ class ReasoningGymTask:
         )
 
     def uses_chat_template(self, tokenizer: PreTrainedTokenizerBase) -> bool:
-        has_template = getattr(tokenizer, "chat_template", None) is not None
-        if self.cfg.use_chat_template is True and not has_template:
-            raise ValueError(
-                "task.use_chat_template is true but the tokenizer has no chat template: set it "
-                "to null (auto) or false"
-            )
-        return has_template and self.cfg.use_chat_template is not False
+        return chat_template_in_use(self.cfg.use_chat_template, tokenizer)
 
     def prompt_ids(self, problem: Problem, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         """[system, user: question] through the chat template when used (gsm8k's
