@@ -5,10 +5,11 @@ A reward function that sets `report_mean = True` (the reasoning-gym task's
 `reward/<function>` in every row: its mean unweighted value over the completions scored since
 the previous row. What those completions are depends on the row:
 
-- step 0: the first evaluation's greedy completions only (no training yet);
+- step 0: the first evaluation's completions only (no training yet): greedy ones, and the pass@k
+  samples when `eval.pass_samples` > 0;
 - a training step without an evaluation: that step's sampled completions;
 - a step with an evaluation (every `eval.every` steps, and the last): that step's sampled
-  completions and the evaluation's greedy ones together.
+  completions and the evaluation's together.
 
 This prints, per node and function, the step-0 value, the means over the first and the last K
 training steps that have no evaluation (sampled completions only), and the last row (mixed):
@@ -22,17 +23,17 @@ import argparse
 import json
 from pathlib import Path
 
-COUNTERS = {"scored", "nonzero", "mean", "own", "non_finite"}  # reward/* rows that are not functions
-
 
 def function_columns(rows: list[dict]) -> list[str]:
+    """The `reward/<function>` columns: a reward function is named `module:function`,
+    `file.py:function` or `builtin:NAME`, so its name has a ':' and no counter's does."""
     cols = {
         k
         for r in rows
         for k in r
         if k.startswith("reward/")
-        and not k.startswith("reward/errors/")
-        and k.split("/", 1)[1] not in COUNTERS
+        and ":" in k
+        and not k.startswith(("reward/errors/", "reward/first_error/"))
     }
     return sorted(cols)
 
@@ -49,7 +50,7 @@ def summarise(rows: list[dict], last: int) -> tuple[list[str], list[tuple[str, l
     out = []
     first = rows[0]
     if first.get("step") == 0 and "eval/accuracy" in first:
-        out.append(("step 0 (greedy eval only)", [mean([first], c) for c in cols]))
+        out.append(("step 0 (eval only)", [mean([first], c) for c in cols]))
     if train_only:
         head, tail = train_only[:last], train_only[-last:]
         out.append(
@@ -68,7 +69,7 @@ def summarise(rows: list[dict], last: int) -> tuple[list[str], list[tuple[str, l
         end = evaluated[-1]
         out.append(
             (
-                f"step {end['step']} (sampled + greedy eval, mixed)",
+                f"step {end['step']} (sampled + eval, mixed)",
                 [mean([end], c) for c in cols],
             )
         )

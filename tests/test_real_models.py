@@ -589,3 +589,39 @@ def test_smollm2_tokenizer_has_its_chat_template_and_special_tokens(tmp_path):
     assert tok.decode(ids) == text and ids.count(EOS) == 2  # system and user turns end in EOS
     digits = tok.convert_ids_to_tokens(tok.encode(" 23 + 58", add_special_tokens=False))
     assert digits == ["Ġ", "2", "3", "Ġ+", "Ġ", "5", "8"]  # SmolLM2 splits numbers into digits
+
+
+SMOLLM2_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smollm2.yaml"
+SMOLLM2_RUNS = SMOLLM2_CONFIG.parents[1] / "docs" / "results" / "smollm2-runs"
+
+
+def test_the_smollm2_config_validates_and_quotes_its_committed_runs():
+    """configs/smollm2.yaml (the real model that learns on a laptop; its runs are not repeated
+    here) loads, and its header quotes each committed seed's paired change as report.md gives
+    it; each committed run's config is the config at that seed."""
+    pytest.importorskip("reasoning_gym", reason="the config's task needs ftis[reasoning-gym]")
+    import re
+
+    from ftis.config import load_config
+
+    cfg = load_config(SMOLLM2_CONFIG)
+    assert cfg.task.kind == "reasoning-gym" and cfg.checkpoint.every == 0
+    assert all(n.model.name == "smollm2-135m-instruct" for n in cfg.nodes)
+    weights = {t.function: t.weight for t in cfg.task.reward}
+    # eval accuracy is the dataset's own score: the format term is reported, never rewarded
+    assert weights == {"builtin:reasoning_gym": 1.0, "builtin:reasoning_gym_format": 0.0}
+    header = SMOLLM2_CONFIG.read_text().split("\nname:", 1)[0]
+    for seed in (0, 1, 2):
+        run = SMOLLM2_RUNS / f"seed-{seed}"
+        assert load_config(run / "config.yaml") == load_config(
+            SMOLLM2_CONFIG, [f"train.seed={seed}"]
+        )
+        changes = re.findall(
+            r"^\| (\S+) \| test \| 0 -> \d+ \| \d+ \| ([^|]+?) \| \*\*improved\*\* \|$",
+            (run / "report.md").read_text(),
+            re.M,
+        )
+        assert sorted(node for node, _ in changes) == sorted(n.name for n in cfg.nodes)
+        for _, change in changes:
+            assert change in header, f"seed {seed}: {change} is not quoted in the header"
+        assert not (run / "nodes").exists()  # no checkpoints committed
