@@ -627,6 +627,13 @@ class RunConfig(_Strict):
         warm = [n.name for n in self.nodes if n.warm_start is not None]
         if refusal and warm:
             raise ValueError(f"nodes {', '.join(warm)} have a warm_start, but {refusal}")
+        remix = getattr(self.task, "warmstart_mix", None)
+        for n in self.nodes:
+            if n.warm_start is not None and n.warm_start.mix is not None and callable(remix):
+                try:
+                    remix(n.warm_start.mix)
+                except ValueError as e:
+                    raise ValueError(f"node {n.name}: {e}") from None
         self.algorithm.check_run(self)
         return self
 

@@ -79,11 +79,14 @@ def warmstart_task(task_cfg: BaseModel, ws: WarmStartConfig) -> Task:
         raise ValueError(f"warm_start refused: {reason}")
     if ws.mix is None:
         return _bare_task(task_cfg)
+    remix = getattr(task_cfg, "warmstart_mix", None)  # a task that reweights its own mix
+    if callable(remix):
+        return _bare_task(remix(ws.mix))
     field = MIX_FIELDS.get(getattr(task_cfg, "kind", None))
     if field is None:
         raise ValueError(
-            "warm_start.mix only applies to the arithmetic task (operation weights) and the "
-            "reasoning task (skill weights); remove it"
+            "warm_start.mix only applies to the arithmetic task (operation weights), the "
+            "reasoning task (skill weights) and the reasoning-gym task (dataset weights); remove it"
         )
     return _bare_task(task_cfg.model_copy(update={field: ws.mix}))
 

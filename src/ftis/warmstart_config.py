@@ -18,7 +18,8 @@ class WarmStartConfig(BaseModel):
     mix: dict[str, float] | None = Field(
         None,
         description="Weights for the warm-start data: operations of the arithmetic task, e.g. "
-        "{'+': 1.0, '-': 0.1}, or skills of the reasoning task, e.g. {'add': 0.8, 'mul': 0.2}; "
+        "{'+': 1.0, '-': 0.1}, skills of the reasoning task, e.g. {'add': 0.8, 'mul': 0.2}, or "
+        "datasets of the reasoning-gym task (one left out: weight 0); "
         "None = the task's own mix.",
     )
     seed: int = Field(0, description="Seed of data order and dropout.")

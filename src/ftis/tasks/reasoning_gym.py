@@ -243,6 +243,25 @@ class ReasoningGymTaskConfig(TaskConfigBase):
     def _pool(self) -> int:
         return HELDOUT_DRAWS * self.test_size
 
+    def warmstart_mix(self, mix: Mapping[str, float]) -> ReasoningGymTaskConfig:
+        """This task with ``warm_start.mix``'s dataset weights (a dataset it leaves out: 0)."""
+        unknown = [n for n in mix if n not in self.datasets]
+        if unknown:
+            raise ValueError(
+                f"warm_start.mix names {unknown}, not datasets of the task; use some of "
+                f"{sorted(self.datasets)}"
+            )
+        if any(not w >= 0 for w in mix.values()) or not any(w > 0 for w in mix.values()):
+            raise ValueError(
+                "warm_start.mix: weights must be >= 0 and one of them positive, e.g. "
+                f"{{{next(iter(self.datasets))!r}: 1.0}}"
+            )
+        datasets = {
+            n: d.model_copy(update={"weight": float(mix.get(n, 0.0))})
+            for n, d in self.datasets.items()
+        }
+        return self.model_copy(update={"datasets": datasets})
+
     def system_text(self) -> str:
         """The system prompt: a reasoning_gym.utils.SYSTEM_PROMPTS entry by name, else as given."""
         from reasoning_gym.utils import SYSTEM_PROMPTS
