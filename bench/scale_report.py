@@ -27,6 +27,59 @@ def _floor_words(floor: float, baseline: float, what: str) -> str:
     )
 
 
+def _ablation_words(s: dict, lens: list[int], ratio: str, what: str) -> str | None:
+    """'<what> (1.088 at 64 tokens, 0.777 at 256 tokens: slower at 64 tokens, faster at 256
+    tokens)' from the ablation's measured ratios (ftis's choice / the replaced one), or None when
+    it was not measured."""
+    pts = [
+        (T, s[f"len{T}_rollout_time_ratio_{ratio}"])
+        for T in lens
+        if f"len{T}_rollout_time_ratio_{ratio}" in s
+    ]
+    if not pts:
+        return None
+    values = ", ".join(f"{r:.3f} at {T} tokens" for T, r in pts)
+    groups: dict[str, list[int]] = {}
+    for T, r in pts:  # in order of length
+        word = "faster" if round(r, 3) < 1 else "slower" if round(r, 3) > 1 else "as fast"
+        groups.setdefault(word, []).append(T)
+    verdict = ", ".join(
+        f"{word} at {' and '.join(str(T) for T in ts)} tokens" for word, ts in groups.items()
+    )
+    return f"{what} ({values}: {verdict})"
+
+
+def _ablations_sentence(s: dict, lens: list[int]) -> str:
+    """What the rollout's ablation columns measured, as measured: each of ftis's two sampler
+    choices is faster than what it replaces at some lengths and may be slower at others."""
+    parts = [
+        w
+        for w in (
+            _ablation_words(
+                s,
+                lens,
+                "dynamic_cache",
+                "the preallocated KV cache against transformers' DynamicCache, which grows by "
+                "`aten::cat`",
+            ),
+            _ablation_words(
+                s, lens, "forward_step", "the direct decode step against `forward` per step"
+            ),
+        )
+        if w is not None
+    ]
+    once = (
+        "ftis also runs each prompt once per group in sampling and in the update (no column "
+        "measures that)."
+    )
+    if not parts:
+        return once
+    return (
+        "The rollout's ablation columns time two of ftis's sampler choices against what they "
+        "replace (a ratio below 1: ftis's choice is faster): " + " and ".join(parts) + ". " + once
+    )
+
+
 def scale_summary_rows(s: dict) -> list[str]:
     lens = _lengths(s)
 
@@ -241,11 +294,7 @@ def scale_section(s: dict) -> list[str]:
         "a rollout made of its matmuls alone "
         f"{_floor_words(s[h + 'sample_matmul_floor_s'], s[h + 'rollout_hf_one_pass_cpu_s'], 'the one-pass baseline')}. "
         "Below that takes fewer or cheaper FLOPs (bf16 weights, a smaller KV cache), which would "
-        "no longer be the same computation as the baselines'. "
-        "What ftis removed is listed in the ratio columns: the preallocated KV cache "
-        "(`aten::cat` of transformers' DynamicCache, ablation column), `forward`'s per-step "
-        "glue (the direct decode step, ablation column) and prompts run once per group in "
-        "sampling and in the update.",
+        "no longer be the same computation as the baselines'. " + _ablations_sentence(s, lens),
         "",
     ]
     for T in lens:
