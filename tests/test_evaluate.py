@@ -55,6 +55,12 @@ class _Task:
         return 1.0 if completion.strip() == problem.answer else 0.0
 
 
+def _tokenizer() -> SimpleNamespace:
+    """EOS and pad 0; decode writes each id as "<id>"."""
+    decode = lambda ids, skip_special_tokens: "".join(f"<{i}>" for i in ids)  # noqa: E731
+    return SimpleNamespace(eos_token_id=0, pad_token_id=0, decode=decode)
+
+
 # the pass@k samples of problems 0, 1, 2 (4 each): distinct answers 3, 1, 0 -> mean 4/3;
 # correct 1, 4, 0 -> pass@1 = (1/4 + 1 + 0) / 3
 PASS_TEXTS = {0: ["0", "5", "6", "5"], 1: ["1", "1", "1", "1"], 2: ["", " ", "", ""]}
@@ -74,7 +80,7 @@ def fake_sampling(monkeypatch):
 
 @pytest.mark.parametrize("extract", [True, False])
 def test_evaluate_logs_distinct_answers_from_the_pass_samples(fake_sampling, extract):
-    node = SimpleNamespace(model=None, tokenizer=SimpleNamespace(eos_token_id=0, pad_token_id=0))
+    node = SimpleNamespace(model=None, tokenizer=_tokenizer())
     cfg = EvalConfig(size=3, pass_samples=4, pass_k=[1, 4], pass_problems=3, batch_size=8)
     m = ev.evaluate(node, _Task(extract), cfg, TrainConfig(), seed=0)
     assert m["eval/test/accuracy"] == pytest.approx(1 / 3)  # greedy "0" is right for problem 0
@@ -104,12 +110,14 @@ def test_a_real_run_logs_distinct_answers(tmp_path):
 
 def test_evaluate_hands_per_problem_outcomes_to_the_collector(fake_sampling):
     # greedy completion is "0" for every problem: right for problem 0 only (answers "0","1","2")
-    node = SimpleNamespace(model=None, tokenizer=SimpleNamespace(eos_token_id=0, pad_token_id=0))
+    # the prompt text is the prompt ids decoded with every special token (here: "<id>")
+    node = SimpleNamespace(model=None, tokenizer=_tokenizer())
     cfg = EvalConfig(size=3, pass_samples=0, batch_size=8)
     metrics, outcomes = ev.evaluate_detailed(node, _Task(False), cfg, TrainConfig(), seed=0)
     assert [o.split for o in outcomes] == ["test"]
     assert outcomes[0].correct == [1, 0, 0]
-    assert outcomes[0].samples == [("q0", "0", 1.0), ("q1", "0", 0.0), ("q2", "0", 0.0)]
+    assert outcomes[0].samples == [("<0>", "0", 1.0), ("<1>", "0", 0.0), ("<2>", "0", 0.0)]
+    assert outcomes[0].questions == ["q0", "q1", "q2"]
     assert metrics["eval/test/accuracy"] == pytest.approx(1 / 3)
     # evaluate returns the same metrics, and the outcomes only go where a collector listens
     assert ev.evaluate(node, _Task(False), cfg, TrainConfig(), seed=0) == metrics
@@ -129,13 +137,32 @@ def test_eval_logger_writes_one_line_per_split_and_sample(tmp_path):
     logger = EvalLogger(tmp_path, "n")
     logger.log(0, [])  # an evaluation without task outcomes (e.g. preference accuracy only)
     assert not (tmp_path / "evals.jsonl").exists() and not (tmp_path / "samples.jsonl").exists()
-    logger.log(4, [ev.SplitOutcome("test", [1, 0, 1], [("q0", "0", 1.0), ("q1", "7", 0.0)])])
+    logger.log(
+        4,
+        [ev.SplitOutcome("test", [1, 0, 1], [("<0>", "0", 1.0), ("<1>", "7", 0.0)], ["q0", "q1"])],
+    )
     logger.close()
     evals = [json.loads(x) for x in (tmp_path / "evals.jsonl").read_text().splitlines()]
     # outcomes 1,0,1 -> byte 0b10100000 = 0xa0
     assert evals == [{"step": 4, "node": "n", "split": "test", "n": 3, "correct": "a0"}]
     samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert samples == [
-        {"step": 4, "node": "n", "split": "test", "prompt": "q0", "completion": "0", "reward": 1.0},
-        {"step": 4, "node": "n", "split": "test", "prompt": "q1", "completion": "7", "reward": 0.0},
+        {
+            "step": 4,
+            "node": "n",
+            "split": "test",
+            "prompt": "<0>",
+            "question": "q0",
+            "completion": "0",
+            "reward": 1.0,
+        },
+        {
+            "step": 4,
+            "node": "n",
+            "split": "test",
+            "prompt": "<1>",
+            "question": "q1",
+            "completion": "7",
+            "reward": 0.0,
+        },
     ]

@@ -76,9 +76,9 @@ def test_own_reward_example_runs(tmp_path, monkeypatch):
     }
     for s in samples:
         assert isinstance(s["completion"], str)
-        row = prompts[s["prompt"]]
-        expected = rw.exact_answer_short(s["prompt"], s["completion"], row) + 0.2 * asyncio.run(
-            rw.digits_only(s["prompt"], s["completion"], row)
+        row = prompts[s["question"]]  # what the reward reads; `prompt` is the model's text
+        expected = rw.exact_answer_short(s["question"], s["completion"], row) + 0.2 * asyncio.run(
+            rw.digits_only(s["question"], s["completion"], row)
         )
         assert math.isclose(s["reward"], expected, abs_tol=1e-6), s
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -5,6 +5,12 @@ if the cache was cleared; a preset's seeded initialisation; `model.path`), the c
 weights are loaded into it, LoRA adapters are merged into the base (peft's merge_and_unload),
 and the result is saved with its tokenizer: `AutoModelForCausalLM.from_pretrained(OUT)` and
 `PreTrainedTokenizerFast.from_pretrained(OUT)` load it with no ftis, peft or base model around.
+A full fine-tune needs no warm start at all (its checkpoint holds every weight), so none is
+retrained for it. The tokenizer prompts as ftis did: it adds the BOS that ftis prepends to plain
+prompts, and keeps the model's chat template where the node used one (`prompt_format` in
+ftis_export.json); samples.jsonl's `prompt` is the text the model was given, so
+`tok(prompt, add_special_tokens=False)` + greedy `generate` reproduces its completions
+(tests/test_export_round_trip.py).
 (`AutoTokenizer` does too, except where transformers rebuilds the model type's own tokenizer
 from the vocabulary, as transformers 5 does for qwen2: then the export's log and
 `ftis_export.json` (`tokenizer_loader`) say so, since that rebuild tokenizes otherwise.)
@@ -18,7 +24,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ftis.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_meta
+from ftis.train.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    read_meta,
+    verify_checkpoint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,18 +62,34 @@ def export_node(
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"{out} exists and is not empty; choose another --out or remove it")
     rank = names.index(node)
-    built = build_node(cfg.nodes[rank], rank=rank, task_cfg=cfg.task)
-    load_checkpoint(built, ckpt)
-    model = built.model
-    if hasattr(model, "merge_and_unload"):  # LoRA: fold the adapters into the base weights
-        model = model.merge_and_unload()
+    node_cfg = cfg.nodes[rank]
+    if node_cfg.model.lora is None:
+        # A full fine-tune's checkpoint holds every weight: no warm start is needed (nor
+        # retrained when the cache was cleared), only the base model's tokenizer, which
+        # encodes as the warm start's does (tests/test_tokenizer_round_trip.py).
+        problems = verify_checkpoint(ckpt)
+        if problems:
+            raise CheckpointError(f"checkpoint {ckpt} is damaged: {'; '.join(problems)}")
+        from transformers import AutoModelForCausalLM
+
+        from ftis.models.loading import DTYPES, load_tokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(
+            ckpt / "model", dtype=DTYPES[node_cfg.model.dtype]
+        )
+        tokenizer = load_tokenizer(node_cfg.model)
+    else:  # LoRA: the adapters go on the warm-started base, rebuilt as a resume rebuilds it
+        built = build_node(node_cfg, rank=rank, task_cfg=cfg.task)
+        load_checkpoint(built, ckpt)
+        model, tokenizer = built.model.merge_and_unload(), built.tokenizer
     model.eval()
+    prompt_format = _prompt_format(cfg.task, tokenizer)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
         save_model(model, tmp)
-        built.tokenizer.save_pretrained(tmp)
-        loader = _tokenizer_loader(tmp, built.tokenizer)
+        tokenizer.save_pretrained(tmp)
+        loader = _tokenizer_loader(tmp, tokenizer)
         (tmp / "ftis_export.json").write_text(
             json.dumps(
                 {
@@ -69,8 +97,9 @@ def export_node(
                     "node": node,
                     "step": step,
                     "checkpoint": str(ckpt),
-                    "lora_merged": cfg.nodes[rank].model.lora is not None,
+                    "lora_merged": node_cfg.model.lora is not None,
                     "tokenizer_loader": loader,
+                    "prompt_format": prompt_format,
                 },
                 indent=2,
             )
@@ -83,6 +112,45 @@ def export_node(
         raise
     log.info("exported %s step %d to %s", node, step, out)
     return out
+
+
+PLAIN_BOS = "plain text; the tokenizer adds BOS (tok(question) gives the ids ftis used)"
+PLAIN = "plain text (tok(question) gives the ids ftis used)"
+TEMPLATED = (
+    "the chat template (tok.apply_chat_template(messages, add_generation_prompt=True); "
+    "samples.jsonl's prompt is the rendered text)"
+)
+
+
+def _prompt_format(task_cfg, tok) -> str:
+    """How the node's prompts were made, read off the task's first test problem, and the
+    tokenizer set to make them the same way: ftis prepends BOS to a plain prompt when the
+    tokenizer has one (ftis.tasks.base.plain_prompt_ids), so the export's tokenizer adds it
+    itself (`add_bos_token`). A chat-templated prompt keeps the model's template, which the
+    tokenizer saves."""
+    from ftis.tasks import build_task
+
+    try:
+        task = build_task(task_cfg)
+        problem = task.split(task.eval_splits[0])[0]
+        ids = list(task.prompt_ids(problem, tok))
+    except Exception as e:  # a task whose data is gone: export the model all the same
+        log.warning("cannot rebuild the task to read its prompt format (%s); not recorded", e)
+        return "unknown (the task could not be rebuilt)"
+    bare = list(tok.encode(problem.question, add_special_tokens=False))
+    bos = tok.bos_token_id
+    if bos is not None and ids == [bos, *bare]:
+        if list(tok(problem.question)["input_ids"]) != ids:
+            tok.add_bos_token = True
+            if list(tok(problem.question)["input_ids"]) != ids:
+                raise ExportError(
+                    f"cannot make {type(tok).__name__} add BOS as ftis did; export it with "
+                    "a tokenizer that has a BOS post-processor"
+                )
+        return PLAIN_BOS
+    if ids == bare:
+        return PLAIN
+    return TEMPLATED
 
 
 def _tokenizer_loader(path: Path, tok) -> str:

@@ -534,20 +534,25 @@ def samples_section(run_dir: Path) -> list[str]:
     if not rows:
         return []
     lines = ["## Samples at the last evaluation", ""]
-    lines += ["| node | step | split | prompt | completion | reward |", "|---|---|---|---|---|---|"]
+    lines += [
+        "| node | step | split | question | completion | reward |",
+        "|---|---|---|---|---|---|",
+    ]
     for node in nodes_in(rows):
         mine = [r for r in rows if r["node"] == node]
         last = max(r["step"] for r in mine)
         for r in (r for r in mine if r["step"] == last):
             reward = r.get("reward")
             lines.append(
-                f"| {node} | {last} | {r['split']} | {_cell(r.get('prompt', ''))} | "
+                f"| {node} | {last} | {r['split']} | {_cell(r.get('question', r.get('prompt', '')))} | "
                 f"{_cell(r.get('completion', ''))} | "
                 f"{'-' if reward is None else f'{float(reward):g}'} |"
             )
     lines += [
         "",
-        "Greedy completions of each split's first problems: [samples.jsonl](samples.jsonl).",
+        "Greedy completions of each split's first problems: [samples.jsonl](samples.jsonl) "
+        "(its `prompt` is the text the model was given, chat template and special tokens "
+        "included).",
         "",
     ]
     return lines

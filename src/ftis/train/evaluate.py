@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -95,11 +95,21 @@ SAMPLES_PER_SPLIT = 3  # greedy completions of a split's first problems kept for
 class SplitOutcome:
     """One eval split's greedy outcomes: `correct[i]` is 1 when the greedy completion of the
     split's problem i (its fixed order, the first eval.size) earned reward > 0; `samples` are
-    (prompt, completion, reward) of the first SAMPLES_PER_SPLIT problems."""
+    (prompt, completion, reward) of the first SAMPLES_PER_SPLIT problems, where `prompt` is the
+    text the model was given (`prompt_text`: its chat template and special tokens included);
+    `questions` are the same problems' plain questions."""
 
     split: str
     correct: list[int]
     samples: list[tuple[str, str, float]]
+    questions: list[str] = field(default_factory=list)
+
+
+def prompt_text(tokenizer, ids: Sequence[int]) -> str:
+    """The text of prompt ids as the model saw them, every special token written out (BOS, the
+    chat template's markers): ``tokenizer(text, add_special_tokens=False)`` gives the ids back
+    (checked for every preset and for SmolLM2 by tests/test_export_round_trip.py)."""
+    return tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
 _COLLECTOR: contextvars.ContextVar[list[SplitOutcome] | None] = contextvars.ContextVar(
@@ -172,7 +182,15 @@ def evaluate(
             SplitOutcome(
                 split=split,
                 correct=[int(x > 0) for x in rewards],
-                samples=[(problems[j].question, texts[j], rewards[j]) for j in shown],
+                samples=[
+                    (
+                        prompt_text(node.tokenizer, task.prompt_ids(problems[j], node.tokenizer)),
+                        texts[j],
+                        rewards[j],
+                    )
+                    for j in shown
+                ],
+                questions=[problems[j].question for j in shown],
             )
         )
         acc = float(r.mean())

@@ -194,7 +194,8 @@ class EvalLogger:
     """Writes what one evaluation saw, besides its metrics row: one evals.jsonl line per eval
     split (`step`, `node`, `split`, `n`, `correct`: the greedy per-problem outcomes, hex of
     `encode_outcomes`) and one samples.jsonl line per sample completion (`step`, `node`,
-    `split`, `prompt`, `completion`, `reward`). `outcomes` are ftis.train.evaluate's
+    `split`, `prompt`: the text the model was given, `question`: the problem as plain text,
+    `completion`, `reward`). `outcomes` are ftis.train.evaluate's
     SplitOutcome records. The files are opened at the first evaluation that has outcomes, so
     an algorithm that evaluates otherwise (e.g. preference accuracy only) leaves none."""
 
@@ -219,17 +220,12 @@ class EvalLogger:
                     "correct": encode_outcomes(o.correct),
                 }
             )
-            for prompt, completion, reward in o.samples:
-                self.samples.write(
-                    {
-                        "step": step,
-                        "node": self.node,
-                        "split": o.split,
-                        "prompt": prompt,
-                        "completion": completion,
-                        "reward": reward,
-                    }
-                )
+            questions = list(getattr(o, "questions", None) or [])
+            for k, (prompt, completion, reward) in enumerate(o.samples):
+                row = {"step": step, "node": self.node, "split": o.split, "prompt": prompt}
+                if k < len(questions):
+                    row["question"] = questions[k]
+                self.samples.write({**row, "completion": completion, "reward": reward})
 
     def close(self) -> None:
         for sink in (self.evals, self.samples):
