@@ -113,6 +113,71 @@ def test_a_renderer_registered_outside_the_study_package_writes_the_document(
     )
 
 
+def test_report_only_that_finds_no_run_leaves_the_document_as_it_is(tmp_path, tiny_renderer):
+    """A document's printed `--report-only` run where its runs are not (here an empty --out)
+    refuses in one line that says where it looked and how to look elsewhere, and leaves the
+    existing document byte for byte; a document that does not exist yet is still written."""
+    path = _study(tmp_path)
+    report = tmp_path / "tiny.md"
+    committed = b"# tiny\n\n- a: 2 complete\n" + f"{READING_BEGIN}\nMine.\n{READING_END}\n".encode()
+    report.write_bytes(committed)
+    empty = tmp_path / "elsewhere"
+    runner = CliRunner()
+    for extra in ([], ["--report", str(report)]):
+        res = runner.invoke(app, ["sweep", str(path), "--report-only", "--out", str(empty), *extra])
+        assert res.exit_code != 0, res.output
+        assert report.read_bytes() == committed
+        (line,) = [x for x in res.output.splitlines() if "error:" in x]  # one line
+        assert f"no complete run of study 'tiny' in {empty}" in line and "--out" in line
+        assert f"{report} left as it is" in line and "Traceback" not in res.output
+    # with the runs where the study says (`out:`) it regenerates as before
+    res = runner.invoke(app, ["sweep", str(path), "--report-only"])
+    assert res.exit_code == 0, res.output
+    assert "- a: 2 complete, final accuracy 0.3750" in report.read_text()
+    assert "\nMine.\n" in report.read_text()
+    # a new document of no runs may still be written (a study that has not run yet)
+    new = tmp_path / "new.md"
+    res = runner.invoke(
+        app, ["sweep", str(path), "--report-only", "--out", str(empty), "--report", str(new)]
+    )
+    assert res.exit_code == 0, res.output
+    assert "Missing: a-s0, b-s0, a-s1, b-s1." in new.read_text()
+
+
+def _git(root: Path, *args: str) -> str:
+    import subprocess
+
+    cmd = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, check=True).stdout
+
+
+def test_uncommitted_studies_or_configs_mark_the_code_dirty(tmp_path):
+    """code_version names the commit, '+dirty' when a tracked file under src/, studies/ or
+    configs/ differs from it (a run's results depend on its study and configs as on the code);
+    edits elsewhere (a document) leave it clean."""
+    from ftis.study.runner import code_version
+
+    root = tmp_path / "checkout"
+    files = ["src/ftis/x.py", "studies/s.yaml", "configs/c.yaml", "docs/d.md"]
+    for f in files:
+        (root / f).parent.mkdir(parents=True, exist_ok=True)
+        (root / f).write_text("a: 1\n")
+    _git(root, "init", "-q")
+    _git(root, "add", ".")
+    _git(root, "commit", "-q", "-m", "init")
+    rev = _git(root, "rev-parse", "--short", "HEAD").strip()
+    assert code_version(root) == rev
+    (root / "docs/d.md").write_text("edited\n")
+    (root / "studies/untracked.yaml").write_text("new: 1\n")
+    assert code_version(root) == rev
+    for f in files[:3]:
+        (root / f).write_text("a: 2\n")
+        assert code_version(root) == rev + "+dirty", f
+        (root / f).write_text("a: 1\n")
+        assert code_version(root) == rev, f
+    assert code_version(tmp_path / "not-a-checkout") is None
+
+
 def test_an_unregistered_renderer_or_kind_is_refused_with_the_registered_names(tmp_path):
     runner = CliRunner()
     path = _study(tmp_path, results="nope")

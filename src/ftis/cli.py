@@ -468,13 +468,14 @@ def sweep(
     failed = {}
     if not report_only:
         failed = run_study(st, out_dir=out, only=only, console=console).failed
+    ran_failed = f"{len(failed)} run(s) failed: {', '.join(sorted(failed))}"
     try:
         written = write_results(st, out_dir=out, report_path=report_path)
     except StudyError as e:
-        _fail(str(e))
+        _fail(f"{ran_failed}; {e}" if failed else str(e), code=1 if failed else 2)
     console.print(f"results: {written}")
     if failed:
-        _fail(f"{len(failed)} run(s) failed: {', '.join(sorted(failed))}", code=1)
+        _fail(ran_failed, code=1)
 
 
 @app.command()

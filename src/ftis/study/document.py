@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ftis.study.runner import STUDY_LOG
+from ftis.study.spec import StudyError
 from ftis.study.stats import PairedDifference, paired_difference
 
 log = logging.getLogger(__name__)
@@ -203,10 +204,18 @@ def write_document(
     """Regenerate a study's document (and its plots) from its run directories: `collect(study,
     out_dir)` gives (results, missing), `render(study, results, missing, out_dir, report_path,
     reading)` the text; the hand-written reading of the existing document is carried over. The
-    one writer of every kind of study (grid, FGRPO, arms)."""
+    one writer of every kind of study (grid, FGRPO, arms). An existing document is never
+    replaced by one of no runs: finding none complete (run as printed but without the study's
+    runs folder, say) raises StudyError and leaves the file as it is."""
     out_dir = Path(out_dir) if out_dir else study.out_dir
     report_path = Path(report_path) if report_path else Path(study.spec.report)
     results, missing = collect(study, out_dir)
+    if not results and report_path.exists():
+        raise StudyError(
+            f"no complete run of study {study.spec.name!r} in {out_dir}: {report_path} left as "
+            "it is (point at its runs with --out DIR or the study's `out:`; delete the document "
+            "to write an empty one)"
+        )
     reading = existing_reading(report_path)
     report_path.parent.mkdir(parents=True, exist_ok=True)
     report_path.write_text(render(study, results, missing, out_dir, report_path, reading))

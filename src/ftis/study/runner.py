@@ -212,22 +212,30 @@ def run_study(
     return outcome
 
 
-def code_version() -> str | None:
-    """The git commit of the ftis source being run (with '+dirty' for uncommitted changes under
-    src/), or None outside a git checkout. Recorded so that results name the code behind them."""
+# What a run's results depend on in the checkout: the code, the study files and the configs
+# they name. An uncommitted edit to a tracked file under any of them marks the code '+dirty'.
+DIRTY_PATHS = ("src", "studies", "configs")
+
+
+def code_version(root: Path | None = None) -> str | None:
+    """The git commit of the checkout being run (with '+dirty' for uncommitted changes to
+    tracked files under src/, studies/ or configs/, DIRTY_PATHS), or None outside a git
+    checkout. `root`: the checkout (default: the one holding this ftis source). Recorded so
+    that results name the code and the configs behind them."""
     import subprocess
 
-    src = Path(__file__).resolve().parents[2]
+    root = Path(root) if root is not None else Path(__file__).resolve().parents[3]
     try:
         rev = subprocess.run(
-            ["git", "-C", str(src), "rev-parse", "--short", "HEAD"],
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
             capture_output=True,
             text=True,
             check=True,
             timeout=10,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no", "--", "."],
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--"]
+            + list(DIRTY_PATHS),
             capture_output=True,
             text=True,
             check=True,
