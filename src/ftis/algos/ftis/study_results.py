@@ -397,11 +397,19 @@ def _setup_lines(study: Study) -> list[str]:
     return lines
 
 
+# Task fields added after documents were generated (issue 36): shown only when set otherwise.
+LATE_TASK_FIELDS = ("reward_max_error_share", "skip_bad_rows")
+
+
 def _task_line(task: Any) -> str:
     """The task's kind and the fields a reader needs to know what it asks (no seeds, no sizes)."""
     data = task.model_dump(mode="json", exclude_none=True)
     for key in ("kind", "seed", "ood", "test_size", "size", "data_files"):
         data.pop(key, None)
+    fields = type(task).model_fields
+    for key in LATE_TASK_FIELDS:  # at their defaults they change nothing a reader needs
+        if key in data and key in fields and data[key] == fields[key].default:
+            del data[key]
     return f"`{task.kind}`: " + ", ".join(f"{k} {json.dumps(v)}" for k, v in data.items())
 
 
