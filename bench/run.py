@@ -180,7 +180,9 @@ def markdown(r: dict) -> str:
         "tokens; synthetic values). All-in: headers, per-sequence fields, checksum. "
         "`authors` is the layout of the F-TIS authors' code (int64 ids and attention mask "
         "over padded prompt + completion, fp32 log-probs over the padded completion). "
-        "Module: `bench/wire.py`; format: docs/wire-format.md.",
+        "Module: `bench/wire.py`; format: docs/wire-format.md. On a real model's 49,152-token "
+        "vocabulary (SmolLM2-135M-Instruct): [docs/results/wire-smollm2.md]"
+        "(results/wire-smollm2.md), from `python -m bench.wire_real`.",
         "",
         "| layout | embedded B/token | long B/token | log-prob error |",
         "|---|---|---|---|",

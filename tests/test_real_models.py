@@ -625,3 +625,21 @@ def test_the_smollm2_config_validates_and_quotes_its_committed_runs():
         for _, change in changes:
             assert change in header, f"seed {seed}: {change} is not quoted in the header"
         assert not (run / "nodes").exists()  # no checkpoints committed
+
+
+def test_preflight_refuses_a_file_that_is_not_a_gguf_before_any_worker(tmp_path):
+    from ftis.config import ConfigError, RunConfig
+    from ftis.preflight import check_run
+    from tests.conftest import tiny_run_config
+
+    bad = tmp_path / "model.gguf"
+    bad.write_text("not a model")
+    data = tiny_run_config()
+    data["nodes"][0]["model"] = {"gguf": str(bad)}
+    data["nodes"][0].pop("warm_start")
+    cfg = RunConfig.model_validate(data)
+    with pytest.raises(ConfigError, match=r"nodes\.0\.model\.gguf: .* is not a GGUF file"):
+        check_run(cfg)
+    bad.unlink()
+    with pytest.raises(ConfigError, match=r"nodes\.0\.model\.gguf: no such file"):
+        check_run(cfg)

@@ -5,6 +5,7 @@ run starts").
 - every node's `model.path`: a local directory holding a `config.json`, or a Hugging Face Hub
   id (`name` or `org/name`) whose `config.json` is in the local Hugging Face cache. Nothing is
   downloaded here: a Hub id that is not cached is an error saying how to get it there.
+- every node's `model.gguf`: a complete GGUF file with a tokenizer (header and tensor table).
 - optional features: `log.tensorboard` needs the tensorboard package, some algorithms a package
   of their own (`AlgorithmConfig.required_packages`: Flower for fgrpo and fed-dpo, hivemind for
   the swarm's hivemind backend); the error names the extra to install.
@@ -29,12 +30,28 @@ def check_run(cfg: RunConfig) -> None:
     for i, node in enumerate(cfg.nodes):
         if node.model.path is not None:
             check_model_path(node.model.path, field=f"nodes.{i}.model.path")
+        if node.model.gguf is not None:
+            check_gguf_file(node.model.gguf, field=f"nodes.{i}.model.gguf")
     if cfg.log.tensorboard:
         require("tensorboard", extra="tracking", feature="log.tensorboard: true")
     if cfg.log.wandb:
         require("wandb", extra="tracking", feature="log.wandb: true")
     for module, extra in cfg.algorithm.required_packages():
         require(module, extra=extra, feature=f"algorithm.kind: {cfg.algorithm.kind}")
+
+
+def check_gguf_file(path: str, *, field: str) -> None:
+    """A complete GGUF file with a model and its tokenizer (its header and tensor table are
+    read, not its weights): a wrong path, a file that is not one or a truncated download ends
+    here, before any worker converts it."""
+    from ftis.models.real import check_gguf
+
+    try:
+        check_gguf(Path(path).expanduser(), field)
+    except ConfigError:
+        raise
+    except Exception as e:  # ModelLoadError and the like: one line, the field named
+        raise ConfigError(str(e)) from None
 
 
 def require(module: str, *, extra: str, feature: str) -> None:
