@@ -97,3 +97,40 @@ def test_own_reward_example_runs(tmp_path, monkeypatch):
     ids = torch.tensor([tok.encode("user: 2+3")])
     gen = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
     assert gen.shape[1] > ids.shape[1]
+
+
+VF = ROOT / "examples" / "verifiers-env"
+
+
+@pytest.mark.slow
+def test_verifiers_env_example_runs(tmp_path, monkeypatch):
+    """Two nodes on the example's verifiers SingleTurnEnv, one scored by the environment's
+    rubric and one by the TRL-style batched reward beside it, two RL steps after a tiny warm
+    start: each node's rewards in samples.jsonl are what the user's own functions give."""
+    pytest.importorskip("verifiers", reason="needs pip install 'ftis[verifiers]'")
+    monkeypatch.chdir(ROOT)  # the config names its files from the repository root
+    out = tmp_path / "run"
+    tiny = [
+        "train.steps=2",
+        "train.prompts_per_step=2",
+        "train.group_size=2",
+        "eval.size=4",
+        "log.progress=false",
+        *(f"nodes.{i}.warm_start.steps=5" for i in (0, 1)),
+    ]
+    args = ["run", str(VF / "config.yaml"), "--out", str(out)]
+    res = CliRunner().invoke(app, args + [a for s in tiny for a in ("--set", s)])
+    assert res.exit_code == 0, res.output
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert {s["node"] for s in samples} == {"rubric", "trl"}
+    env = _load(VF / "my_env.py")
+    rows = {r["question"]: r for r in env.load_environment(max_term=9).get_dataset()}
+    for s in samples:
+        gold = rows[s["question"].split("user: ")[1]]["answer"]
+        said = [{"role": "assistant", "content": s["completion"]}]
+        assert s["reward"] == env.trl_reward([None], [said], [gold])[0], s
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in metrics if r["step"] >= 1]
+    assert all("reward/verifiers-rubric:correct" in r for r in trained if r["node"] == "rubric")
+    assert all("reward/verifiers-rubric:brief" in r for r in trained if r["node"] == "rubric")
+    assert not any("reward/verifiers-rubric:correct" in r for r in trained if r["node"] == "trl")

@@ -37,6 +37,7 @@ from ftis.tasks.gsm8k import (
 from ftis.tasks.prompts import PromptsTask, PromptsTaskConfig
 from ftis.tasks.reasoning import ReasoningTask, ReasoningTaskConfig, ReasoningVariant
 from ftis.tasks.reasoning_gym import ReasoningGymTask, ReasoningGymTaskConfig
+from ftis.tasks.verifiers_env import VerifiersTaskConfig
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,7 @@ register_task("gsm8k", GSM8KTaskConfig, GSM8KTask)
 register_task("reasoning", ReasoningTaskConfig, ReasoningTask)
 register_task("prompts", PromptsTaskConfig, PromptsTask)
 register_task("reasoning-gym", ReasoningGymTaskConfig, ReasoningGymTask)
+register_task("verifiers", VerifiersTaskConfig, "ftis.tasks.verifiers_env:VerifiersTask")
 
 
 __all__ = [

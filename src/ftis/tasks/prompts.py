@@ -179,7 +179,8 @@ def _load_dataset(spec: str, *, field: str, default_split: str) -> list[dict[str
     return [dict(r) for r in ds]
 
 
-def _plain_chat(messages: Sequence[Mapping[str, Any]]) -> str:
+def plain_chat(messages: Sequence[Mapping[str, Any]]) -> str:
+    """A chat as "role: content" lines: the prompt of a model without a chat template."""
     return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
 
 
@@ -295,7 +296,7 @@ class PromptsTask:
     def _question(self, row: Mapping[str, Any]) -> str:
         messages = row.get(self.cfg.messages_field)
         if messages is not None:
-            return _plain_chat(messages)
+            return plain_chat(messages)
         return row[self.cfg.prompt_field]
 
     def split(self, name: str) -> Sequence[Problem]:
@@ -332,7 +333,7 @@ class PromptsTask:
         if self.uses_chat_template(tokenizer):
             out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             return as_id_list(out)
-        return plain_prompt_ids(tokenizer, _plain_chat(messages) + "\nassistant: ")
+        return plain_prompt_ids(tokenizer, plain_chat(messages) + "\nassistant: ")
 
     def reward(self, problem: Problem, completion: str) -> float:
         raise ValueError(
