@@ -281,6 +281,7 @@ def _term(fn: Any, rubric: Any, chat: bool) -> Any:
     term.__name__ = getattr(fn, "__name__", "reward")
     term.__qualname__ = term.__name__
     term.__wrapped_verifiers__ = fn  # type: ignore[attr-defined]
+    term.report_mean = True  # type: ignore[attr-defined]  # each term's mean in the rows
     return term
 
 
