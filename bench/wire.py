@@ -40,15 +40,19 @@ def embedded_batch(model_path: str) -> tuple[RolloutBatch, int, int]:
         pad_id=tok.pad_token_id,
         generator=torch.Generator().manual_seed(0),
     )
+    return sampled_batch(s, 8), int(model.config.vocab_size), int(s.prompt_ids.shape[1])
+
+
+def sampled_batch(s, group_size: int) -> RolloutBatch:
+    """The RolloutBatch of a `sample` result whose prompts each got `group_size` completions."""
     n = s.completion_ids.shape[0]
-    batch = RolloutBatch(
-        prompt_index=torch.arange(16).repeat_interleave(8),
+    return RolloutBatch(
+        prompt_index=torch.arange(n // group_size).repeat_interleave(group_size),
         generator=torch.zeros(n, dtype=torch.long),
         completion_ids=s.completion_ids,
         lengths=s.lengths,
         sampler_logprobs=s.logprobs,
     )
-    return batch, int(model.config.vocab_size), int(s.prompt_ids.shape[1])
 
 
 def long_batch(n: int = 64, mean_len: int = 200, vocab: int = 151936, prompt_width: int = 120):

@@ -37,10 +37,10 @@ def available() -> str | None:
 
 
 def batches() -> dict[str, tuple]:
+    from bench.wire import sampled_batch
     from ftis.config import load_config
     from ftis.models.loading import ModelConfig, build_model, load_tokenizer
     from ftis.rollout.sampler import sample
-    from ftis.rollout.types import RolloutBatch
     from ftis.tasks import build_task
 
     cfg = load_config(ROOT / "configs" / "smollm2.yaml", [])
@@ -61,15 +61,7 @@ def batches() -> dict[str, tuple]:
             temperature=cfg.train.temperature,
             generator=torch.Generator().manual_seed(0),
         )
-        n = s.completion_ids.shape[0]
-        batch = RolloutBatch(
-            prompt_index=torch.arange(8).repeat_interleave(8),
-            generator=torch.zeros(n, dtype=torch.long),
-            completion_ids=s.completion_ids,
-            lengths=s.lengths,
-            sampler_logprobs=s.logprobs,
-        )
-        out[f"{tokens} new tokens"] = (batch, len(tok))
+        out[f"{tokens} new tokens"] = (sampled_batch(s, 8), len(tok))
     return out
 
 
