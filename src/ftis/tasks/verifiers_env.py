@@ -134,12 +134,11 @@ class LoadedEnv:
         from ftis.rewards import register_reward
 
         for rubric, fn, weight in _rubric_functions(env, spec):
-            name = PREFIX + getattr(fn, "__name__", type(fn).__name__)
+            base = PREFIX + getattr(fn, "__name__", type(fn).__name__)
             taken = {n for n, _ in self.terms}
-            k = 2
-            while name in taken:
-                name = f"{PREFIX}{fn.__name__}_{k}"
-                k += 1
+            name, k = base, 2
+            while name in taken:  # two rubrics with a function of the same name
+                name, k = f"{base}_{k}", k + 1
             register_reward(name, _term(fn, rubric, self.chat))
             self.terms.append((name, float(weight)))
         if not self.terms:
