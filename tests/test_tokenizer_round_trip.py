@@ -107,6 +107,10 @@ def test_warm_start_resume_and_export_keep_the_tokenizer(name, tmp_path):
     out = tmp_path / "export"
     res = CliRunner().invoke(app, ["export", str(run_dir), "q", "--out", str(out)])
     assert res.exit_code == 0, res.output
+    # the export's tokenizer adds the BOS ftis prepends to plain prompts (prompt_format), and
+    # otherwise encodes as the node's does
+    ref = preset_tokenizer(name)
+    ref.add_bos_token = True
     _same(load_tokenizer(ModelConfig(path=str(out))), ref)
     # without ftis: the loader the export names reproduces the tokenizer
     _same(PreTrainedTokenizerFast.from_pretrained(out), ref)

@@ -157,3 +157,11 @@ def test_what_ftis_cannot_run_is_one_clear_error(env_file, attr, message):
 def test_a_warm_start_needs_a_target_column(env_file):
     assert "warmstart_field" in _cfg(env_file, "single").warm_start_refusal()
     assert _cfg(env_file, "single", warmstart_field="answer").warm_start_refusal() is None
+
+
+def test_building_an_environment_leaves_ftis_s_signal_handlers(env_file):
+    import signal
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    _cfg(env_file, "single", args={"n": 12})  # verifiers' Environment sets handlers of its own
+    assert {s: signal.getsignal(s) for s in before} == before

@@ -30,6 +30,8 @@ import importlib
 import inspect
 import logging
 import random
+import signal
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -161,37 +163,51 @@ _loaded: dict[tuple[str, str], LoadedEnv] = {}
 
 
 def load_env(spec: str, args: Mapping[str, Any]) -> LoadedEnv:
-    """The environment `spec` names, loaded once per process for these `args`."""
+    """The environment `spec` names, loaded once per process for these `args`. verifiers'
+    Environment installs SIGINT/SIGTERM handlers of its own when built; ftis's are put back
+    (ftis's stop protocol owns the signals: a signal checkpoints every node)."""
     key = (spec, repr(sorted(args.items())))
     if key not in _loaded:
-        vf = verifiers()
-        if ":" in spec:
-            module_name, _, attr = spec.rpartition(":")
-            target = getattr(_import(module_name, spec), attr, None)
-            if target is None:
-                raise TaskDataError(f"task.env={spec!r}: {module_name!r} has no {attr!r}")
-            env = target
-            if callable(target) and not _is_env(target):
-                try:
-                    env = target(**args)
-                except Exception as e:
-                    raise TaskDataError(
-                        f"task.env={spec!r}: {attr}(**task.args) raised {type(e).__name__}: {e}"
-                    ) from None
-            if not _is_env(env):
-                raise TaskDataError(
-                    f"task.env={spec!r} gave a {type(env).__name__}, not a verifiers Environment"
-                )
-        else:
+        saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            _loaded[key] = _load(spec, args)
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                for s, handler in saved.items():
+                    if handler is not None:
+                        signal.signal(s, handler)
+    return _loaded[key]
+
+
+def _load(spec: str, args: Mapping[str, Any]) -> LoadedEnv:
+    """Import or load the environment and wrap it."""
+    vf = verifiers()
+    if ":" in spec:
+        module_name, _, attr = spec.rpartition(":")
+        target = getattr(_import(module_name, spec), attr, None)
+        if target is None:
+            raise TaskDataError(f"task.env={spec!r}: {module_name!r} has no {attr!r}")
+        env = target
+        if callable(target) and not _is_env(target):
             try:
-                env = vf.load_environment(spec, **args)
+                env = target(**args)
             except Exception as e:
                 raise TaskDataError(
-                    f"task.env={spec!r}: verifiers cannot load it ({type(e).__name__}: {e}); "
-                    "install the environment, or name a module's attribute as 'module:attr'"
+                    f"task.env={spec!r}: {attr}(**task.args) raised {type(e).__name__}: {e}"
                 ) from None
-        _loaded[key] = LoadedEnv(spec, env)
-    return _loaded[key]
+        if not _is_env(env):
+            raise TaskDataError(
+                f"task.env={spec!r} gave a {type(env).__name__}, not a verifiers Environment"
+            )
+    else:
+        try:
+            env = vf.load_environment(spec, **args)
+        except Exception as e:
+            raise TaskDataError(
+                f"task.env={spec!r}: verifiers cannot load it ({type(e).__name__}: {e}); "
+                "install the environment, or name a module's attribute as 'module:attr'"
+            ) from None
+    return LoadedEnv(spec, env)
 
 
 def _is_env(obj: Any) -> bool:
