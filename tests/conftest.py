@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 
@@ -12,6 +14,18 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     mp.setenv("FTIS_CACHE", str(tmp_path_factory.mktemp("ftis-cache")))
     yield
     mp.undo()
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    # A test that builds a library object which installs process-wide signal handlers (a
+    # verifiers Environment does, in its __post_init__) must not leak them into the next test:
+    # the stop-protocol tests check that ftis removes its own handlers when a run ends.
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in saved.items():
+        if handler is not None and signal.getsignal(s) is not handler:
+            signal.signal(s, handler)
 
 
 def tiny_run_config(**train) -> dict:
