@@ -211,6 +211,39 @@ def test_population_document_numbers(tmp_path):
     assert "My reading." in write_arms_results(study).read_text()
 
 
+def test_corp_randopt_rows_read_the_corp_runs_own_figures_at_stage0_tokens(tmp_path):
+    """options.corp_randopt_rows: the CoRP run's end-of-run RandOpt figures (its stage-0
+    population by RandOpt's rules) become rows, costed at the forward tokens spent by the end of
+    stage 0 (RandOpt needs no consolidation step), not at the run's last step."""
+    study = load_arms_study(
+        _study(tmp_path, options={"base_series": "grpo", "corp_randopt_rows": True})
+    )
+    _fake(study, tmp_path)
+    for r in study.runs:  # the CoRP runs log the RandOpt figures with their last evaluation
+        if r.arm != "corp":
+            continue
+        path = tmp_path / "out" / r.id / "metrics.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for row in rows:
+            if row["step"] == 3:
+                row["eval/randopt/best_accuracy"] = 0.30
+                row["eval/randopt/vote_accuracy"] = 0.27
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    text = write_arms_results(study).read_text()
+    head, paired = text.split("## Paired differences with intervals")
+    lines = {line.split(" | ")[0].lstrip("| "): line for line in head.splitlines() if "|" in line}
+    # stage 0 is 2 steps of the 3: 50 tokens per party, 100 in all; GRPO at 100 tokens: 30%, 40%
+    best = lines["CoRP pooled: RandOpt best of 64"]
+    assert "| 100 | 30.0 ± 0.0 | +10.0 ± 0.0 | 35.0 ± 7.1 | -5.0 ± 7.1 | 2 |" in best
+    vote = lines["CoRP pooled: RandOpt top-5 vote of 64"]
+    assert "| 100 | 27.0 ± 0.0 | +7.0 ± 0.0 |" in vote
+    assert "| 150 | 25.0 ± 0.0 |" in lines["CoRP pooled"]  # CoRP itself: all 3 steps
+    assert "| CoRP pooled: RandOpt best of 64 | **+10.0 [+10.0, +10.0]** |" in paired
+    # off by default: the population study's document has no such rows
+    study = load_arms_study(_study(tmp_path))
+    assert "RandOpt best of" not in write_arms_results(study).read_text()
+
+
 def test_tiny_arms_sweep_through_the_cli(tmp_path):
     """One real one-node run per seed through `ftis sweep`, then --dry-run sees it done."""
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(tiny_run_config(steps=2)))

@@ -80,16 +80,24 @@ class Point:
         return self.res.run.seed
 
 
-def points(results: list[ArmResult], arm: str, metric: str, step: int | None) -> list[Point]:
-    """Every seed's reading of `arm`: `metric` at `step` (None: the run's last step)."""
+def points(
+    results: list[ArmResult],
+    arm: str,
+    metric: str,
+    step: int | None,
+    token_step: int | None = None,
+) -> list[Point]:
+    """Every seed's reading of `arm`: `metric` at `step` (None: the run's last step), with the
+    forward tokens spent by `token_step` (None: by `step`)."""
     out = []
     for res in results:
         if res.run.arm != arm:  # type: ignore[attr-defined]
             continue
         vals, toks = _by_step(res, metric), _tokens(res)
         s = step if step is not None else res.run.config.train.steps
-        if s in vals and s in toks:
-            out.append(Point(res, s, vals[s], toks[s]))
+        t = s if token_step is None else token_step
+        if s in vals and t in toks:
+            out.append(Point(res, s, vals[s], toks[t]))
     return out
 
 
@@ -106,10 +114,22 @@ def base_curve(results: list[ArmResult], arm: str) -> dict[int, list[tuple[float
 # ------------------------------------------------------------------------------------- rows
 
 
-def _rows_spec(study: Study, results: list[ArmResult]) -> list[tuple[str, str, str, int | None]]:
-    """(label, arm, metric, step) of every row of the matched-compute table, in study order."""
-    rows = []
+# A CoRP run logs its stage-0 population read by RandOpt's rules at its last evaluation
+# (report_randopt): the study shows those rows when `options.corp_randopt_rows` is true.
+CORP_RANDOPT = (
+    ("eval/randopt/best_accuracy", "best of"),
+    ("eval/randopt/vote_accuracy", "vote of"),
+)
+
+RowSpec = tuple[str, str, str, int | None, int | None]
+
+
+def _rows_spec(study: Study, results: list[ArmResult]) -> list[RowSpec]:
+    """(label, arm, metric, step, token step) of every row of the matched-compute table, in
+    study order (token step None: the forward tokens at `step`)."""
+    rows: list[RowSpec] = []
     base = study.spec.options.get("base_series")  # type: ignore[attr-defined]
+    corp_randopt = bool(study.spec.options.get("corp_randopt_rows"))  # type: ignore[attr-defined]
     for key, arm in study.spec.arms.items():  # type: ignore[attr-defined]
         if key == base:
             continue
@@ -125,10 +145,23 @@ def _rows_spec(study: Study, results: list[ArmResult]) -> list[tuple[str, str, s
             wanted = [s for s in steps if members is None or _members(mine[0], s) in members]
             for s in wanted:
                 n = _members(mine[0], s)
-                rows.append((f"{label}: best of {n}", key, BEST, s))
-                rows.append((f"{label}: top-{a.top_k} vote of {n}", key, ACC, s))
+                rows.append((f"{label}: best of {n}", key, BEST, s, None))
+                rows.append((f"{label}: top-{a.top_k} vote of {n}", key, ACC, s, None))
         else:
-            rows.append((label, key, ACC, None))
+            rows.append((label, key, ACC, None, None))
+            if corp_randopt:  # RandOpt needs only stage 0: its tokens end there
+                a = cfg.algorithm
+                for metric, what in CORP_RANDOPT:
+                    what = what.replace("vote", f"top-{a.top_k} vote")
+                    rows.append(
+                        (
+                            f"{label}: RandOpt {what} {a.population}",
+                            key,
+                            metric,
+                            None,
+                            a.stage0_steps(),
+                        )
+                    )
     return rows
 
 
@@ -137,8 +170,8 @@ def _matched_table(study: Study, results: list[ArmResult]) -> list[str]:
     curve = base_curve(results, base) if base else {}
     base_label = (study.spec.arms[base].label or base) if base in study.spec.arms else "baseline"  # type: ignore[attr-defined]
     out = []
-    for label, arm, metric, step in _rows_spec(study, results):
-        pts = points(results, arm, metric, step)
+    for label, arm, metric, step, token_step in _rows_spec(study, results):
+        pts = points(results, arm, metric, step, token_step)
         if not pts:
             continue
         tokens = statistics.fmean(p.tokens for p in pts)
@@ -183,8 +216,8 @@ def difference_tables(study: Study, results: list[ArmResult]) -> list[str]:
     base_label = (arms[base].label or base) if base in arms else "baseline"
     diffs = Differences()
     rows = []
-    for label, arm, metric, step in _rows_spec(study, results):
-        pts = points(results, arm, metric, step)
+    for label, arm, metric, step, token_step in _rows_spec(study, results):
+        pts = points(results, arm, metric, step, token_step)
         if not pts:
             continue
         acc = {p.seed: p.acc for p in pts}
@@ -424,15 +457,19 @@ def plot(study: Study, results: list[ArmResult], path: Path) -> bool:
         ax.fill_between(grid, 100 * (m - s), 100 * (m + s), color=color, alpha=0.12)
     colors = iter(plt.cm.tab10.colors)
     series: dict[tuple[str, str], list[tuple[float, list[float]]]] = defaultdict(list)
-    for _label, arm, metric, step in _rows_spec(study, results):
-        pts = points(results, arm, metric, step)
+    for _label, arm, metric, step, token_step in _rows_spec(study, results):
+        pts = points(results, arm, metric, step, token_step)
         if not pts:
             continue
         name = arms[arm].series or arms[arm].label or arm
         what = (
             "best member"
-            if metric == BEST
-            else ("top-K vote" if _kind(pts[0].res) == "randopt" else "")
+            if metric in (BEST, CORP_RANDOPT[0][0])
+            else (
+                "top-K vote"
+                if _kind(pts[0].res) == "randopt" or metric == CORP_RANDOPT[1][0]
+                else ""
+            )
         )
         key = (name, what)
         series[key].append((statistics.fmean(p.tokens for p in pts), [p.acc for p in pts]))
