@@ -25,7 +25,7 @@ from pydantic import (
 )
 
 from ftis.algos import AlgorithmConfig, FTISConfig, get_algorithm
-from ftis.core.losses import LOSS_METHODS
+from ftis.core.losses import loss_methods
 from ftis.exchange.wire import check_logprob_format
 from ftis.models.config import ModelConfig
 from ftis.rewards import RewardTerm, normalise_reward_spec
@@ -43,8 +43,9 @@ class ConfigError(ValueError):
 
 def check_loss_method(name: str) -> str:
     """A loss method name, or a ValueError listing the valid ones."""
-    if name not in LOSS_METHODS:
-        raise ValueError(f"unknown loss method {name!r}; choose one of: {', '.join(LOSS_METHODS)}")
+    methods = loss_methods()  # the registry as it is now: a plugin may have added terms
+    if name not in methods:
+        raise ValueError(f"unknown loss method {name!r}; choose one of: {', '.join(methods)}")
     return name
 
 

@@ -129,6 +129,68 @@ def test_registry_and_method_names() -> None:
         policy_loss(lp, glp, adv, mask, method="ppo")
 
 
+def test_a_registered_term_is_a_method_without_editing_policy_loss() -> None:
+    """A new per-token term is one registered function: policy_loss masks, filters and averages
+    it like the built-in ones, the config accepts its names, and NoIS doubled gives exactly
+    twice NoIS's loss and gradient."""
+    from ftis.config import check_loss_method
+    from ftis.core.losses import LOSS_TERMS, loss_methods, nois_term, register_loss_term
+
+    @register_loss_term("twice-nois")
+    def twice(x):
+        out = nois_term(x)
+        return type(out)(per_token=2 * out.per_token)
+
+    try:
+        assert {"twice-nois", "f-twice-nois"} <= set(loss_methods())
+        assert check_loss_method("f-twice-nois") == "f-twice-nois"
+        for method, base in (("twice-nois", "nois"), ("f-twice-nois", "f-nois")):
+            lp, glp, adv, mask = hand_example()
+            lp = lp.clone().requires_grad_()
+            a, ma = policy_loss(lp, glp, adv, mask, method=method)
+            b, mb = policy_loss(lp, glp, adv, mask, method=base)
+            assert torch.equal(a, 2 * b)
+            assert torch.equal(ma["filtered_frac"], mb["filtered_frac"])
+            (ga,) = torch.autograd.grad(a, lp)
+            (gb,) = torch.autograd.grad(b, lp)
+            assert torch.equal(ga, 2 * gb)
+        with pytest.raises(ValueError, match="already registered"):
+            register_loss_term("twice-nois")(twice)
+        with pytest.raises(ValueError, match="already registered"):
+            register_loss_term("f-anything")(twice)
+    finally:
+        LOSS_TERMS.pop("twice-nois", None)
+    assert "twice-nois" not in loss_methods()
+    with pytest.raises(ValueError, match="unknown loss method 'twice-nois'"):
+        check_loss_method("twice-nois")
+
+
+def test_policy_loss_names_no_method() -> None:
+    """policy_loss and its private helpers dispatch through the registry only: none of them
+    names a method in its code (docstrings aside)."""
+    import ast
+    import inspect
+    import textwrap
+
+    from ftis.core import losses
+
+    names = set(losses.LOSS_TERMS)
+    checked = 0
+    for fname, fn in vars(losses).items():
+        if not inspect.isfunction(fn) or fn.__module__ != losses.__name__:
+            continue
+        if fname != "policy_loss" and not fname.startswith("_"):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        doc = ast.get_docstring(tree.body[0], clean=False)
+        literals = {
+            n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value != doc
+        }
+        assert not literals & names, (fname, literals & names)
+        checked += 1
+    assert checked >= 5
+
+
 # ---------------------------------------------------------------------------------------------
 # The filter. Four sequences of two tokens; d = glp - lp.
 #   k(d) = exp(d) - d - 1;  k(log 100) = 100 - log 100 - 1 =: K ~ 94.39 > g = 50;  k(0) = 0.

@@ -5,12 +5,16 @@ Shapes: N sequences, T tokens (padded completion width).
 
 Structure:
 
-- ``TOKEN_TERMS`` is a registry of small per-token-term functions, one per base method;
+- ``LOSS_TERMS`` is the registry of loss terms (:func:`register_loss_term`), one function per
+  base method: per-token terms (``nois``, ``vis``, ``tis``, ``reco``) and per-sequence terms
+  (``gspo``, ``hacpo``); ``TOKEN_TERMS``, ``SEQUENCE_METHODS`` and ``LOSS_METHODS`` are views
+  of it;
 - :func:`sequence_divergence` and :func:`filter_sequences` are the filter (the "f-" prefix),
   applied to the advantages before the per-token term;
 - :func:`policy_loss` (the public contract) sanitizes inputs, resolves the method, applies the
-  filter and any per-sequence weights (ReCo's response weights), aggregates per sequence then
-  over sequences, and computes metrics.
+  filter and any per-sequence weights (ReCo's response weights), calls the registered term,
+  aggregates per sequence then over sequences, and computes metrics. It never branches on a
+  method's name.
 
 Where this deviates from the authors' code (docs/math.md §5): defaults follow the paper
 (g = 50, k averaged over the sequence's own tokens, filtered sequences zeroed not dropped);
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -116,6 +120,113 @@ class TokenTermOutput:
 TokenTerm = Callable[[TokenTermInputs], TokenTermOutput]
 
 
+@dataclass(frozen=True)
+class SequenceTermInputs:
+    """What a per-sequence term sees (docs/math.md §12). Tensors as in :class:`TokenTermInputs`
+    but ``advantages`` is (N,).
+
+    Attributes:
+        logprobs, sampler_logprobs, mask: (N, T), as for the token terms.
+        advantages: (N,) after the filter (and any sequence weights), no grad.
+        own: (N,) bool, True on the receiver's own sequences; None: all own.
+        peer_scale: (N,) HACPO's discrepancy coefficient of each peer sequence; None: 1.
+        peer_clip_lower: the lower clamp of a peer sequence's ratio at this update.
+        hacpo_alpha: the stop-gradient power of the peer weight.
+        gspo_eps: (eps_low, eps_high), GSPO's sequence clip range.
+        peer_dual_clip: c of the dual clip on ``peer_rows`` (§3.5).
+        peer_rows: (N,) bool, True on peers' sequences; None: none is a peer's.
+    """
+
+    logprobs: Tensor
+    sampler_logprobs: Tensor
+    mask: Tensor
+    advantages: Tensor
+    own: Tensor | None = None
+    peer_scale: Tensor | None = None
+    peer_clip_lower: float = 0.8
+    hacpo_alpha: float = 1.0
+    gspo_eps: tuple[float, float] = (3e-4, 4e-4)
+    peer_dual_clip: float = math.inf
+    peer_rows: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class SequenceTermOutput:
+    """A per-sequence term: ``per_sequence`` (N,) loss terms; ``clipped`` (N,) bool where a
+    clip was active; ``metrics``: the term's own 0-dim diagnostics (no grad)."""
+
+    per_sequence: Tensor
+    clipped: Tensor
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+
+SequenceTerm = Callable[[SequenceTermInputs], SequenceTermOutput]
+
+
+@dataclass(frozen=True)
+class LossTerm:
+    """A registered loss term: its function and how :func:`policy_loss` uses it.
+
+    Attributes:
+        name: the base method name (``method`` in configs).
+        fn: a :data:`TokenTerm` (level "token") or a :data:`SequenceTerm` (level "sequence").
+        level: "token": ``l[i, t]``, averaged over each sequence's tokens; "sequence": one
+            term per sequence.
+        filterable: whether ``"f-" + name`` (the F-TIS filter before the term) is a method.
+        paper: one of the F-TIS paper's own terms (listed first among the method names).
+    """
+
+    name: str
+    fn: Callable
+    level: Literal["token", "sequence"]
+    filterable: bool = True
+    paper: bool = False
+
+
+LOSS_TERMS: dict[str, LossTerm] = {}
+METHOD_ALIASES: dict[str, str] = {"grpo": "vis"}
+
+
+def register_loss_term(
+    name: str,
+    *,
+    level: Literal["token", "sequence"] = "token",
+    filterable: bool = True,
+    paper: bool = False,
+) -> Callable[[Callable], Callable]:
+    """Register the decorated function as loss term ``name`` (docs/math.md lists each term's
+    formula). A new method is a new registered function: :func:`policy_loss` itself only
+    masks, filters, weights and averages."""
+    if level not in ("token", "sequence"):
+        raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
+    if name in LOSS_TERMS or name in METHOD_ALIASES or name.startswith(FILTER_PREFIX):
+        raise ValueError(f"loss term {name!r} is already registered or not a valid name")
+
+    def add(fn: Callable) -> Callable:
+        LOSS_TERMS[name] = LossTerm(name, fn, level, filterable and level == "token", paper)
+        return fn
+
+    return add
+
+
+def loss_methods() -> tuple[str, ...]:
+    """Every method name, in the order errors list them: the paper's terms, their filtered
+    names and aliases, then later terms (each with its filtered name), then the others."""
+    terms = list(LOSS_TERMS.values())
+    paper = [t.name for t in terms if t.paper]
+    return (
+        *paper,
+        *(FILTER_PREFIX + n for n in paper),
+        *METHOD_ALIASES,
+        *(
+            m
+            for t in terms
+            if not t.paper
+            for m in ((t.name, FILTER_PREFIX + t.name) if t.filterable else (t.name,))
+        ),
+    )
+
+
 def _on_policy_factor(logprobs: Tensor) -> Tensor:
     """``exp(lp - sg(lp))``: value 1, gradient grad lp."""
     return torch.exp(logprobs - logprobs.detach())
@@ -147,11 +258,13 @@ def dual_clip(
     return torch.where(active, bound.expand_as(term), term), active
 
 
+@register_loss_term("nois", paper=True)
 def nois_term(x: TokenTermInputs) -> TokenTermOutput:
     """NoIS: ``l = -exp(lp - sg(lp)) * A`` (docs/math.md §3.1). Every sample as on-policy."""
     return TokenTermOutput(per_token=-_on_policy_factor(x.logprobs) * x.advantages)
 
 
+@register_loss_term("vis", paper=True)
 def vis_term(x: TokenTermInputs) -> TokenTermOutput:
     """VIS / GRPO: ``l = -min(rho A, clip(rho, 1-eps, 1+eps) A)``, ``rho = exp(lp - glp)``
     (docs/math.md §3.2). The generator plays PPO's old policy."""
@@ -165,6 +278,7 @@ def vis_term(x: TokenTermInputs) -> TokenTermOutput:
     return TokenTermOutput(per_token=per_token, clipped=ppo if dual is None else ppo | dual)
 
 
+@register_loss_term("tis", paper=True)
 def tis_term(x: TokenTermInputs) -> TokenTermOutput:
     """TIS: ``l = -min(exp(sg(lp) - glp), C) * exp(lp - sg(lp)) * A`` (docs/math.md §3.3).
     A detached per-token weight, capped from above only."""
@@ -172,6 +286,7 @@ def tis_term(x: TokenTermInputs) -> TokenTermOutput:
     return TokenTermOutput(per_token=-weight * _on_policy_factor(x.logprobs) * x.advantages)
 
 
+@register_loss_term("reco")
 def reco_term(x: TokenTermInputs) -> TokenTermOutput:
     """ReCo's token level (docs/math.md §8.3), optionally composed with TIS's weight.
 
@@ -203,28 +318,54 @@ def reco_term(x: TokenTermInputs) -> TokenTermOutput:
     return TokenTermOutput(per_token=per_token, clipped=clipped)
 
 
+@register_loss_term("gspo", level="sequence")
+def gspo_sequence_term(x: SequenceTermInputs) -> SequenceTermOutput:
+    """GSPO (docs/math.md §12): ``-min(s A, clip(s, 1 - eps_low, 1 + eps_high) A)`` with ``s``
+    the length-normalised sequence ratio; the dual clip (§3.5) on peers' sequences."""
+    ratio = gspo_ratio(x.logprobs, x.sampler_logprobs, x.mask)
+    low, high = x.gspo_eps
+    term = gspo_term(ratio, x.advantages, eps_low=low, eps_high=high)
+    with torch.no_grad():
+        clipped = (ratio < 1.0 - low) | (ratio > 1.0 + high)
+    per_seq, active = dual_clip(term, x.advantages, x.peer_dual_clip, x.peer_rows)
+    if active is not None:
+        clipped = clipped | active
+    return SequenceTermOutput(per_sequence=per_seq, clipped=clipped)
+
+
+@register_loss_term("hacpo", level="sequence")
+def hacpo_sequence_term(x: SequenceTermInputs) -> SequenceTermOutput:
+    """HACPO (docs/math.md §12): GSPO's term on the receiver's own sequences, the clamped
+    exponential IS term ``-c sg(c)^alpha omega A`` on peers' (ftis.core.hacpo.peer_term), with
+    ``peer_frac`` and ``peer_clipped_frac`` (peers' sequences whose ratio left [lower, 1])."""
+    adv = x.advantages
+    ratio = gspo_ratio(x.logprobs, x.sampler_logprobs, x.mask)
+    low, high = x.gspo_eps
+    own_term = gspo_term(ratio, adv, eps_low=low, eps_high=high)
+    is_own = torch.ones_like(adv, dtype=torch.bool) if x.own is None else x.own.to(adv.device)
+    omega = torch.ones_like(adv) if x.peer_scale is None else x.peer_scale.to(adv)
+    peer = peer_term(ratio, adv, omega, x.peer_clip_lower, x.hacpo_alpha)
+    per_seq = torch.where(is_own, own_term, peer)
+    with torch.no_grad():
+        own_clipped = (ratio < 1.0 - low) | (ratio > 1.0 + high)
+        peer_out = ~is_own & ((ratio < x.peer_clip_lower) | (ratio > 1.0))
+        metrics = {
+            "peer_frac": _safe_mean(~is_own, torch.ones_like(is_own)),
+            "peer_clipped_frac": _safe_mean(peer_out, torch.ones_like(peer_out)),
+        }
+    return SequenceTermOutput(
+        per_sequence=per_seq, clipped=torch.where(is_own, own_clipped, peer_out), metrics=metrics
+    )
+
+
+# Views of the registry, for callers and tests that name the built-in families.
 TOKEN_TERMS: dict[str, TokenTerm] = {
-    "nois": nois_term,
-    "vis": vis_term,
-    "tis": tis_term,
-    "reco": reco_term,
+    t.name: t.fn for t in LOSS_TERMS.values() if t.level == "token"
 }
-METHOD_ALIASES: dict[str, str] = {"grpo": "vis"}
-# The paper's family first (its names, filtered names and aliases), then later terms with theirs.
-_PAPER_TERMS = ("nois", "vis", "tis")
-_LATER_TERMS = tuple(name for name in TOKEN_TERMS if name not in _PAPER_TERMS)
-# Sequence-level methods (docs/math.md §12): one ratio per sequence, no filtered variants.
-# gspo: GSPO on every sequence; hacpo: GSPO on the receiver's own sequences, HACPO's clamped
-# exponential IS term on peers' (the capability-aware advantages and the discrepancy
-# coefficient are computed by the caller and come in as `advantages` and `peer_scale`).
-SEQUENCE_METHODS: tuple[str, ...] = ("gspo", "hacpo")
-LOSS_METHODS: tuple[str, ...] = (
-    *_PAPER_TERMS,
-    *(FILTER_PREFIX + name for name in _PAPER_TERMS),
-    *METHOD_ALIASES,
-    *(m for name in _LATER_TERMS for m in (name, FILTER_PREFIX + name)),
-    *SEQUENCE_METHODS,
+SEQUENCE_METHODS: tuple[str, ...] = tuple(
+    t.name for t in LOSS_TERMS.values() if t.level == "sequence"
 )
+LOSS_METHODS: tuple[str, ...] = loss_methods()
 
 
 def resolve_method(method: str) -> tuple[str, bool]:
@@ -235,10 +376,9 @@ def resolve_method(method: str) -> tuple[str, bool]:
     >>> resolve_method("grpo")
     ('vis', False)
     """
-    if method not in LOSS_METHODS:
-        raise ValueError(
-            f"unknown loss method {method!r}; valid methods: {', '.join(LOSS_METHODS)}"
-        )
+    methods = loss_methods()
+    if method not in methods:
+        raise ValueError(f"unknown loss method {method!r}; valid methods: {', '.join(methods)}")
     filtered = method.startswith(FILTER_PREFIX)
     base = method.removeprefix(FILTER_PREFIX)
     return METHOD_ALIASES.get(base, base), filtered
@@ -444,30 +584,40 @@ def policy_loss(
     denominator = _loss_denominator(num_local, filtered, filter_mode, num_sequences, dtype=lp.dtype)
     peer_rows = None if own is None else ~own.to(lp.device)
 
-    if term_name in SEQUENCE_METHODS:
-        return _sequence_loss(
-            term_name,
-            lp=lp,
-            glp=glp,
-            adv=adv,
-            mask=mask,
-            own=own,
-            peer_scale=peer_scale,
-            lower=peer_clip_lower,
-            alpha=hacpo_alpha,
-            eps=(gspo_eps_low, gspo_eps_high),
-            dual=(peer_dual_clip, peer_rows),
-            denominator=denominator,
-            base_metrics=dict(
-                log_ratio=log_ratio,
+    spec = LOSS_TERMS[term_name]
+    if spec.level == "sequence":
+        out = spec.fn(
+            SequenceTermInputs(
+                logprobs=lp,
+                sampler_logprobs=glp,
                 mask=mask,
-                filtered=filtered,
-                divergence=divergence,
-                is_cap=is_cap,
-            ),
+                advantages=adv,
+                own=own,
+                peer_scale=peer_scale,
+                peer_clip_lower=peer_clip_lower,
+                hacpo_alpha=hacpo_alpha,
+                gspo_eps=(gspo_eps_low, gspo_eps_high),
+                peer_dual_clip=peer_dual_clip,
+                peer_rows=peer_rows,
+            )
         )
+        # an empty completion has no token to move: it contributes 0, as under the token terms
+        per_seq = torch.where(mask.any(dim=1), out.per_sequence, torch.zeros_like(adv))
+        loss = per_seq.sum() / denominator
+        metrics = _metrics(
+            loss=loss,
+            log_ratio=log_ratio,
+            mask=mask,
+            filtered=filtered,
+            divergence=divergence,
+            clipped=None,
+            is_cap=is_cap,
+        )
+        with torch.no_grad():  # the sequence terms' clip_frac counts sequences, not tokens
+            metrics["clip_frac"] = _safe_mean(out.clipped, torch.ones_like(out.clipped))
+        return loss, {**metrics, **out.metrics}
 
-    term = TOKEN_TERMS[term_name](
+    term = spec.fn(
         TokenTermInputs(
             logprobs=lp,
             log_ratio=log_ratio,
@@ -495,51 +645,6 @@ def policy_loss(
         clipped=term.clipped,
         is_cap=is_cap,
     )
-    return loss, metrics
-
-
-def _sequence_loss(
-    name: str,
-    *,
-    lp: Tensor,
-    glp: Tensor,
-    adv: Tensor,
-    mask: Tensor,
-    own: Tensor | None,
-    peer_scale: Tensor | None,
-    lower: float,
-    alpha: float,
-    eps: tuple[float, float],
-    dual: tuple[float, Tensor | None],
-    denominator: Tensor | float,
-    base_metrics: dict,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """GSPO / HACPO: one ratio and one loss term per sequence, averaged over N (§12).
-    ``dual``: (c, peers' rows) of GSPO's dual clip on peers' sequences (§3.5)."""
-    ratio = gspo_ratio(lp, glp, mask)
-    own_term = gspo_term(ratio, adv, eps_low=eps[0], eps_high=eps[1])
-    with torch.no_grad():
-        clipped = (ratio < 1.0 - eps[0]) | (ratio > 1.0 + eps[1])
-    if name == "hacpo":
-        is_own = torch.ones_like(adv, dtype=torch.bool) if own is None else own.to(adv.device)
-        omega = torch.ones_like(adv) if peer_scale is None else peer_scale.to(adv)
-        per_seq = torch.where(is_own, own_term, peer_term(ratio, adv, omega, lower, alpha))
-        with torch.no_grad():
-            peer_out = ~is_own & ((ratio < lower) | (ratio > 1.0))
-            clipped = torch.where(is_own, clipped, peer_out)
-    else:
-        per_seq, active = dual_clip(own_term, adv, *dual)
-        if active is not None:
-            clipped = clipped | active
-    # an empty completion has no token to move: it contributes 0, as under the token methods
-    per_seq = torch.where(mask.any(dim=1), per_seq, torch.zeros_like(per_seq))
-    loss = per_seq.sum() / denominator
-    metrics = _metrics(loss=loss, clipped=None, **base_metrics)
-    with torch.no_grad():
-        metrics["clip_frac"] = _safe_mean(clipped, torch.ones_like(clipped))
-        if name == "hacpo":
-            metrics["peer_frac"] = _safe_mean(~is_own, torch.ones_like(is_own))
-            metrics["peer_clipped_frac"] = _safe_mean(peer_out, torch.ones_like(peer_out))
     return loss, metrics
 
 
