@@ -6,10 +6,8 @@ Configs are validated once here and never passed into `ftis.core` math.
 
 from __future__ import annotations
 
-import difflib
 import logging
 import re
-import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,12 +22,13 @@ from pydantic import (
     model_validator,
 )
 
-from ftis.algos import AlgorithmConfig, FTISConfig, get_algorithm
 from ftis.core.losses import loss_methods
 from ftis.exchange.wire import check_logprob_format
 from ftis.models.config import ModelConfig
+from ftis.plugins import AlgorithmConfig, get_algorithm
 from ftis.rewards import RewardTerm, normalise_reward_spec
 from ftis.tasks import ArithmeticTaskConfig, TaskConfig
+from ftis.validation import MODELS, format_validation_error
 from ftis.warmstart_config import WarmStartConfig
 
 log = logging.getLogger(__name__)
@@ -575,7 +574,7 @@ class RunConfig(_Strict):
 
     name: str = Field("ftis", description="Run name; the default output is runs/<name>.")
     algorithm: SerializeAsAny[AlgorithmConfig] = Field(
-        default_factory=FTISConfig,
+        default_factory=lambda: get_algorithm("ftis").config(),
         description="What a node does in one step; `kind` picks a registered algorithm.",
     )
     task: TaskConfig = Field(default_factory=ArithmeticTaskConfig)
@@ -685,78 +684,6 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def format_validation_error(
-    err: ValidationError,
-    *,
-    header: str = "invalid config:\n",
-    indent: str = "  ",
-    sep="\n",
-    model: type[BaseModel] | None = None,
-    prefix: str = "",
-) -> str:
-    """One line per problem: `  field.path: what is wrong (got value)`. An unknown field says
-    which valid field of `model` (default: the model that failed) it is closest to;
-    `prefix` is the dotted path of `model` inside the run config, for those suggestions."""
-    lines = []
-    model = model or _model_named(err.title)
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
-        if e["type"] == "extra_forbidden":
-            lines.append(f"{indent}{_unknown_field(model, e['loc'], prefix)}")
-            continue
-        msg = e["msg"].removeprefix("Value error, ")
-        got = e.get("input")
-        got_txt = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
-        lines.append(f"{indent}{loc or '<top level>'}: {msg}{got_txt}")
-    return header + sep.join(lines)
-
-
-def _model_named(title: str) -> type[BaseModel] | None:
-    return RunConfig if title == "RunConfig" else None
-
-
-def _models_in(annotation: Any) -> list[type[BaseModel]]:
-    """The pydantic models an annotation can hold (through Optional, list, dict, unions)."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
-
-
-def _kind_of(model: type[BaseModel]) -> Any:
-    field = model.model_fields.get("kind")
-    return None if field is None else field.default
-
-
-def _unknown_field(model: type[BaseModel] | None, loc: tuple, prefix: str) -> str:
-    """`unknown field 'train.step': did you mean train.steps?`, from the fields valid where the
-    unknown one stands (difflib's closest match), or the list of them when none is close."""
-    parts = [p for p in loc if not str(p).startswith("function-")]
-    models = [model] if model is not None else []
-    shown = list(parts)
-    for part in parts[:-1]:
-        if isinstance(part, int) or str(part).isdigit():
-            continue
-        if not any(part in m.model_fields for m in models):  # a tagged union's tag (task kind)
-            models = [m for m in models if _kind_of(m) == part]
-            shown.remove(part)
-            continue
-        models = [
-            sub
-            for m in models
-            if part in m.model_fields
-            for sub in _models_in(m.model_fields[part].annotation)
-        ]
-    dotted = prefix + ".".join(str(p) for p in shown)
-    names = sorted({n for m in models for n in m.model_fields})
-    if not names:
-        return f"unknown field {dotted!r}"
-    where = dotted.rsplit(".", 1)[0] + "." if "." in dotted else ""
-    close = difflib.get_close_matches(str(parts[-1]), names, n=1, cutoff=0.6)
-    if close:
-        return f"unknown field {dotted!r}: did you mean {where}{close[0]}?"
-    return f"unknown field {dotted!r}; valid fields here: {', '.join(names)}"
-
-
 def _drop_other_kinds_fields(data: dict[str, Any], overrides: list[str]) -> None:
     """`--set algorithm.kind=K` switches a file's algorithm to kind K: the file's `algorithm`
     fields that K's config does not have (e.g. gossip-dpo's `topology` under `dpo`) are dropped,
@@ -806,3 +733,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         return RunConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None
+
+
+MODELS["RunConfig"] = RunConfig  # format_validation_error's suggestions for a run config

@@ -585,7 +585,7 @@ def _algorithm_section(rows: list[dict[str, Any]], run_dir: Path) -> list[str]:
     found from config.yaml's algorithm kind; none when there is no config or no such hook."""
     import yaml
 
-    from ftis.algos import get_algorithm
+    from ftis.plugins import get_algorithm
 
     try:
         kind = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {})["algorithm"]["kind"]

@@ -1,58 +1,40 @@
-"""The algorithms a node can run, behind one shell (docs/design.md, "One shell, many algorithms").
+"""The systems shipped with ftis, registered behind one shell (docs/design.md, "One shell, many
+algorithms"): F-TIS (with HACPO and every loss of ftis.core.losses), FGRPO, DPO alone, gossip
+DPO, FedDPO, RandOpt, CoRP and the swarm, each in its own folder, with the study kinds and
+renderers of their documents.
 
-An algorithm is registered once with its config class (a pydantic model with a `kind`) and a
-factory that builds it for one node. `config.algorithm.kind` picks one; the node shell
-(`ftis.train.loop`) never learns its name. This module imports no model code (configs are read
-by light tools): factories may be given as "module:attr" strings, imported on first use.
-
-    from ftis.algos import AlgorithmConfig, register_algorithm
-
-    class MyConfig(AlgorithmConfig):
-        kind: Literal["mine"] = "mine"
-        lr_scale: float = 1.0
-
-    register_algorithm("mine", MyConfig, "my_package.my_algo:MyAlgorithm")
-
-A module outside ftis that registers algorithms is named in $FTIS_PLUGINS (comma-separated
-module names), so that `ftis run` and its worker processes import it before reading a config.
+The registry itself lives below every layer, in ftis.plugins (this package re-exports its
+names, so `from ftis.algos import AlgorithmConfig, register_algorithm` keeps working); it loads
+this package by name on the first lookup, as it loads any plugin named in $FTIS_PLUGINS.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
-
+from ftis.plugins import (
+    ALGORITHMS,
+    PLUGINS_ENV,
+    AlgorithmConfig,
+    AlgorithmSpec,
+    check_one_shared_model,
+    get_algorithm,
+    load_plugins,
+    register_algorithm,
+)
 from ftis.study.registry import register_study_kind, register_study_renderer
 
-if TYPE_CHECKING:
-    from ftis.algos.base import Algorithm, NodeContext, ServiceContext
-
-PLUGINS_ENV = "FTIS_PLUGINS"  # comma-separated modules that register algorithms when imported
-
-
-class AlgorithmConfig(BaseModel):
-    """Base of every algorithm's config: `kind` names the algorithm; subclasses add fields."""
-
-    model_config = ConfigDict(extra="forbid")
-    kind: str
-
-    def service_ranks(self, run: Any) -> list[str]:
-        """Names of the extra ranks this algorithm runs besides the training nodes (a federated
-        server, an aggregator), in rank order after the nodes; none by default."""
-        return []
-
-    def check_run(self, run: Any) -> None:
-        """Cross-field checks against the whole run config; raise ValueError with a fix."""
-
-    def required_packages(self) -> list[tuple[str, str]]:
-        """(module, extra) pairs this configuration needs beyond ftis's own dependencies; the
-        launcher checks them before the run starts and names the extra to install."""
-        return []
+__all__ = [
+    "ALGORITHMS",
+    "PLUGINS_ENV",
+    "AlgorithmConfig",
+    "AlgorithmSpec",
+    "FTISConfig",
+    "check_one_shared_model",
+    "get_algorithm",
+    "load_plugins",
+    "register_algorithm",
+]
 
 
 class FTISConfig(AlgorithmConfig):
@@ -75,111 +57,6 @@ class FTISConfig(AlgorithmConfig):
                 "loss.method hacpo needs at least 2 nodes to form joint groups; for one node "
                 "alone use loss.method gspo (HACPO's baseline)"
             )
-
-
-Factory = Callable[["NodeContext"], "Algorithm"]
-Serve = Callable[["ServiceContext"], None]
-# launcher(cfg, run_dir, *, console, resume) -> MultiResult: runs the whole run itself (e.g.
-# through Flower's simulation engine) instead of ftis's own launcher.
-Launcher = Callable[..., Any]
-
-
-def _resolve(target: str | Callable) -> Callable:
-    if isinstance(target, str):
-        module, _, attr = target.partition(":")
-        return getattr(importlib.import_module(module), attr)
-    return target
-
-
-@dataclass(frozen=True)
-class AlgorithmSpec:
-    """A registered algorithm: its config class, the factory of its per-node object, (for
-    algorithms with service ranks) the function a service rank runs until the run ends, and
-    (optionally) a launcher that starts the whole run itself instead of ftis's own launcher
-    (`ftis.launch.run_local` hands it the run), and (optionally) a report section:
-    `report(rows, run_dir) -> list[str]`, markdown lines that `ftis report` appends to
-    report.md (it may also write its own PNGs into run_dir)."""
-
-    kind: str
-    config: type[AlgorithmConfig]
-    factory: str | Factory
-    service: str | Serve | None = None
-    launcher: str | Launcher | None = None
-    report: str | Callable[..., list[str]] | None = None
-
-    def build(self, ctx: NodeContext) -> Algorithm:
-        """The algorithm for the node that `ctx` describes."""
-        return _resolve(self.factory)(ctx)
-
-    def serve(self, ctx: ServiceContext) -> None:
-        """Run service rank `ctx.rank` (e.g. a server) to the end of the run."""
-        if self.service is None:
-            raise ValueError(
-                f"algorithm {self.kind!r} declares service ranks but registered no service"
-            )
-        _resolve(self.service)(ctx)
-
-    def launch(self, cfg: Any, run_dir: Any, **kwargs: Any) -> Any:
-        """Run `cfg` with this algorithm's own launcher (`launcher` must be set)."""
-        if self.launcher is None:
-            raise ValueError(f"algorithm {self.kind!r} registered no launcher")
-        return _resolve(self.launcher)(cfg, run_dir, **kwargs)
-
-    def report_section(self, rows: list[dict], run_dir: Any) -> list[str]:
-        """This algorithm's own lines for report.md (none unless it registered a report)."""
-        return [] if self.report is None else list(_resolve(self.report)(rows, run_dir))
-
-
-def check_one_shared_model(run: Any, why: str) -> None:
-    """Raise ValueError unless every node of `run` has the same model (device aside) and
-    warm_start as the first: for algorithms whose nodes all train or perturb one model. `why`
-    ends the message's first clause, e.g. "federated clients train one shared model"."""
-    first = run.nodes[0]
-    for node in run.nodes[1:]:
-        if (
-            node.model.model_dump(exclude={"device"}) != first.model.model_dump(exclude={"device"})
-            or node.warm_start != first.warm_start
-        ):
-            raise ValueError(
-                f"node {node.name!r} has another model or warm_start than {first.name!r}: "
-                f"{why}; give every node the same model and warm_start sections"
-            )
-
-
-ALGORITHMS: dict[str, AlgorithmSpec] = {}
-
-
-def register_algorithm(
-    kind: str,
-    config: type[AlgorithmConfig],
-    factory: str | Factory,
-    *,
-    service: str | Serve | None = None,
-    launcher: str | Launcher | None = None,
-    report: str | Callable[..., list[str]] | None = None,
-) -> AlgorithmSpec:
-    """Make `kind` available to `config.algorithm.kind` (replacing an earlier registration)."""
-    spec = AlgorithmSpec(kind, config, factory, service, launcher, report)
-    ALGORITHMS[kind] = spec
-    return spec
-
-
-def load_plugins() -> None:
-    """Import the modules named in $FTIS_PLUGINS (comma-separated), which register algorithms
-    of their own; worker processes inherit the variable, so they know the same algorithms."""
-    for name in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
-        importlib.import_module(name)
-
-
-def get_algorithm(kind: str) -> AlgorithmSpec:
-    """The registered algorithm `kind`, or a ValueError listing the known ones."""
-    if kind not in ALGORITHMS:
-        load_plugins()
-    if kind not in ALGORITHMS:
-        raise ValueError(
-            f"unknown algorithm kind {kind!r}; choose one of: {', '.join(sorted(ALGORITHMS))}"
-        )
-    return ALGORITHMS[kind]
 
 
 register_algorithm("ftis", FTISConfig, "ftis.algos.ftis.algorithm:FTISAlgorithm")

@@ -57,7 +57,7 @@ def run_local(
     KeyboardInterrupt. A node lost while the others finished raises NodesLostError (a
     LaunchError) after they wrote everything. An algorithm registered with its own launcher
     (e.g. fgrpo, through Flower's simulation engine) is handed the run instead."""
-    from ftis.algos import get_algorithm
+    from ftis.plugins import get_algorithm
     from ftis.preflight import check_run
 
     check_run(cfg)  # model paths, optional packages: one clear error before any worker starts

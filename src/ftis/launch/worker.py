@@ -30,16 +30,17 @@ from pathlib import Path
 import torch
 
 from ftis.algos import get_algorithm
-from ftis.algos.base import ServiceContext
 from ftis.algos.ftis.bridge import bridge_blocker
 from ftis.config import ConfigError, RunConfig, load_config
 from ftis.exchange.group import GroupMismatchError, check_group
 from ftis.exchange.store import Membership, PeerGroupError, StoreTransport, connect_store
 from ftis.exchange.transport import TransportLost
+from ftis.launch.status import StatusFile
 from ftis.launch.stop import DISK_FULL
 from ftis.models.loading import ModelLoadError, load_tokenizer, tokenizer_fingerprint
 from ftis.tasks import TaskDataError
 from ftis.train.checkpoint import CheckpointError, checkpoint_step
+from ftis.train.context import ServiceContext
 from ftis.train.loop import NoTrainingSignal, StopFlag, train_node
 from ftis.train.metrics import MetricLogger, truncate_run_rows
 
@@ -89,30 +90,6 @@ def shared_settings_digest(cfg: RunConfig) -> str:
     shared = {k: dumped[k] for k in SHARED_SECTIONS}
     shared["ranks"] = cfg.rank_names
     return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
-
-
-class StatusFile:
-    """Progress of this node for the launcher's progress bar: a small JSON file replaced
-    atomically at RUN_DIR/.status/<node>.json."""
-
-    def __init__(self, run_dir: Path, node: str) -> None:
-        self.path = run_dir / ".status" / f"{node}.json"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.last: dict[str, float] = {}
-
-    def __call__(self, event: str, **info) -> None:
-        if event == "warm" and info["step"] % 10 and info["step"] != info["total"]:
-            return
-        state = {"event": event, "step": info["step"], "total": info["total"]}
-        if event == "warm":
-            state["loss"] = info["loss"]
-        else:
-            m = info["metrics"]
-            self.last.update({k: m[k] for k in ("reward/mean", "eval/accuracy") if k in m})
-            state.update(self.last)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, self.path)
 
 
 def _hard_exit(step: int) -> None:

@@ -116,7 +116,7 @@ def register_study_renderer(
 
 def _load_systems() -> None:
     """Import the systems, which register their kinds and renderers (ftis.algos, $FTIS_PLUGINS)."""
-    from ftis.algos import load_plugins
+    from ftis.plugins import load_plugins
 
     load_plugins()
 

@@ -74,7 +74,7 @@ def register_task(
 def get_task(kind: str) -> TaskSpec:
     """The registered task `kind` (plugins loaded if needed), or a ValueError listing them."""
     if kind not in TASKS:
-        from ftis.algos import load_plugins
+        from ftis.plugins import load_plugins
 
         load_plugins()
     if kind not in TASKS:
@@ -95,7 +95,7 @@ def _task_config(value: Any) -> Any:
     try:
         return spec.config.model_validate({**value, "kind": kind})
     except ValidationError as e:
-        from ftis.config import format_validation_error
+        from ftis.validation import format_validation_error
 
         raise ValueError(
             format_validation_error(

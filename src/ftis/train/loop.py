@@ -29,12 +29,12 @@ from pathlib import Path
 
 import torch
 
-from ftis.algos import get_algorithm
-from ftis.algos.base import NodeContext
 from ftis.config import RunConfig
 from ftis.exchange.transport import ExchangeAborted, LocalTransport, Transport, TransportLost
+from ftis.plugins import get_algorithm
 from ftis.tasks import build_task
 from ftis.train.checkpoint import load_latest_checkpoint, save_checkpoint
+from ftis.train.context import NodeContext
 from ftis.train.evaluate import collect_outcomes
 from ftis.train.metrics import EvalLogger, MetricLogger
 from ftis.train.node import build_node

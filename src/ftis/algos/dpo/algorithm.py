@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from ftis.algos.base import NodeContext
 from ftis.algos.dpo.data import tokenized_agent_pairs
 from ftis.algos.dpo.local import LocalDPO, Reference
 from ftis.train.checkpoint import CheckpointError
+from ftis.train.context import NodeContext
 from ftis.train.evaluate import evaluate
 from ftis.train.seeds import eval_seed
 

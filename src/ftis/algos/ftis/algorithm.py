@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from ftis.algos.base import NodeContext
 from ftis.algos.ftis import sharing
 from ftis.algos.ftis.adversary import adversarial
 from ftis.algos.ftis.bridge import attach_text, bridge_blocker, retokenize
@@ -34,6 +33,7 @@ from ftis.models.loading import load_tokenizer, tokenizer_fingerprint
 from ftis.models.presets import PRESETS
 from ftis.rollout.types import RolloutBatch
 from ftis.train import scoring
+from ftis.train.context import NodeContext
 from ftis.train.evaluate import evaluate
 from ftis.train.sampling import generate
 from ftis.train.seeds import adversary_seed, eval_seed

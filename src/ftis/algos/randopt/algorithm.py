@@ -28,7 +28,6 @@ import logging
 import time
 from typing import Any
 
-from ftis.algos.base import NodeContext
 from ftis.algos.randopt.config import CoRPConfig, RandOptConfig
 from ftis.algos.randopt.perturb import Perturber, save_direction, weights_sha256
 from ftis.algos.randopt.scoring import (
@@ -57,6 +56,7 @@ from ftis.exchange.population import (
 )
 from ftis.exchange.wire import PayloadError
 from ftis.tasks import build_task
+from ftis.train.context import NodeContext
 from ftis.train.evaluate import evaluate
 from ftis.train.seeds import eval_seed
 

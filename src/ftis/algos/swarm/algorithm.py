@@ -22,11 +22,11 @@ import logging
 import random
 from typing import Any
 
-from ftis.algos.base import NodeContext
 from ftis.algos.ftis import sharing
 from ftis.algos.ftis.algorithm import FTISAlgorithm
 from ftis.exchange.swarm import SwarmTransport
 from ftis.rollout.types import RolloutBatch
+from ftis.train.context import NodeContext
 from ftis.train.sampling import generate
 from ftis.train.seeds import adversary_seed, swarm_sample_seed
 

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         # No truncate_rows on --resume: the other peers are appending to metrics.jsonl (a
         # rewrite would lose their rows), and a rejoining peer starts at the swarm's current
         # round, after every row it wrote before it left. `ftis run --resume` truncates for all.
-        from ftis.launch.worker import StatusFile
+        from ftis.launch.status import StatusFile
 
         stop = StopFlag()
         status = StatusFile(run_dir, args.node)
