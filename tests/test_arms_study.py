@@ -272,6 +272,67 @@ def test_tiny_arms_sweep_through_the_cli(tmp_path):
     assert res.exit_code == 0 and "done" in res.output
 
 
+_TIMING = ("time/", "memory/", "train/step_seconds", "train/elapsed_seconds", "exchange/wait")
+
+
+def _untimed(path: Path) -> list[dict]:
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(_TIMING)} for r in rows]
+
+
+def test_sweep_jobs_runs_at_the_same_time_with_the_same_results(tmp_path, monkeypatch):
+    """`ftis sweep --jobs 2`: two runs in processes of their own, overlapping in time, with rows
+    identical to `--jobs 1`'s (timings aside), one thread per node either way."""
+    import torch
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(tiny_run_config(steps=2)))
+    spec = {
+        "kind": "arms",
+        "name": "tiny",
+        "report": str(tmp_path / "tiny.md"),
+        "results": "population",
+        "seeds": [0, 1],
+        "set": ["train.seed={seed}", "nodes.0.warm_start.steps=10", "eval.pass_samples=0"],
+        "options": {"base_series": "gd"},
+        "arms": {"gd": {"config": "tiny.yaml"}},
+    }
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    try:
+        for jobs in (2, 1):
+            out = tmp_path / f"jobs{jobs}"
+            res = CliRunner().invoke(
+                app, ["sweep", str(path), "--out", str(out), "--jobs", str(jobs)]
+            )
+            assert res.exit_code == 0, res.output
+    finally:
+        torch.set_num_threads(threads)
+    for seed in (0, 1):
+        run = f"gd-s{seed}/metrics.jsonl"
+        assert _untimed(tmp_path / "jobs2" / run) == _untimed(tmp_path / "jobs1" / run)
+    meta = [json.loads((tmp_path / f"jobs2/gd-s{s}/study-run.json").read_text()) for s in (0, 1)]
+    assert all(m["status"] == "done" for m in meta)
+    (a0, a1), (b0, b1) = ((m["started"], m["started"] + m["seconds"]) for m in meta)
+    assert a0 < b1 and b0 < a1, "the two runs did not overlap"
+    invocation = json.loads((tmp_path / "jobs2" / "study.json").read_text())["invocations"][-1]
+    assert invocation["jobs"] == 2 and invocation["executed"] == 2
+
+
+def test_threads_per_node_fill_the_machine(monkeypatch):
+    from ftis.study.runner import threads_per_node
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert threads_per_node(1, 1, cpus=8) == 8
+    assert threads_per_node(2, 1, cpus=8) == 4
+    assert threads_per_node(2, 2, cpus=8) == 2  # a 2-node run counts as 2
+    assert threads_per_node(4, 3, cpus=2) == 1  # never below 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads_per_node(2, 2, cpus=8) == 3  # the caller's choice wins
+
+
 def test_dpo_document_numbers(tmp_path):
     """Hand-written rows of a gossip arm and a FedDPO arm: the tables' averages over agents."""
     spec = {

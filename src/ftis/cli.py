@@ -443,7 +443,15 @@ def sweep(
     report_path: Annotated[
         Path | None, typer.Option("--report", help="Results document (default: the study's).")
     ] = None,
-    jobs: Annotated[int, typer.Option("--jobs", help="Runs at a time (only 1 for now).")] = 1,
+    jobs: Annotated[
+        int,
+        typer.Option(
+            "--jobs",
+            min=1,
+            help="Runs at a time, each in its own process with threads = cores / (jobs x its "
+            "nodes) ($OMP_NUM_THREADS wins). 1: one after another, in this process.",
+        ),
+    ] = 1,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """Run a study (runs over seeds, resumable) and regenerate its results document.
@@ -455,8 +463,6 @@ def sweep(
     from ftis.study.engine import dry_run as plan_table
     from ftis.study.engine import load_study, run_study, write_results
 
-    if jobs != 1:
-        _fail("--jobs: only 1 is supported (runs share the CPU; parallel runs distort timings)")
     try:
         st = load_study(study)
     except StudyError as e:
@@ -467,7 +473,7 @@ def sweep(
         return
     failed = {}
     if not report_only:
-        failed = run_study(st, out_dir=out, only=only, console=console).failed
+        failed = run_study(st, out_dir=out, only=only, console=console, jobs=jobs).failed
     ran_failed = f"{len(failed)} run(s) failed: {', '.join(sorted(failed))}"
     try:
         written = write_results(st, out_dir=out, report_path=report_path)

@@ -58,12 +58,17 @@ def _hooks(kind: StudyKind) -> dict[str, Any]:
 
 
 def run_study(
-    study: Any, *, out_dir: Path | None = None, only: str | None = None, console: Any = None
+    study: Any,
+    *,
+    out_dir: Path | None = None,
+    only: str | None = None,
+    console: Any = None,
+    jobs: int = 1,
 ) -> SweepOutcome:
     """Run every selected run of `study` that is not done (ftis.study.runner.run_study, with
-    its kind's hooks)."""
+    its kind's hooks), `jobs` at a time."""
     hooks = _hooks(study_kind(study))
-    return runner.run_study(study, out_dir=out_dir, only=only, console=console, **hooks)
+    return runner.run_study(study, out_dir=out_dir, only=only, console=console, jobs=jobs, **hooks)
 
 
 def plan(study: Any, *, out_dir: Path | None = None, only: str | None = None) -> list[tuple]:

@@ -1,5 +1,5 @@
-"""Run a study: every run not done yet, one after another, each an ordinary run directory. The
-one loop of every study kind; a kind may bring its own `status` and `execute` hooks (FGRPO's
+"""Run a study: every run not done yet, one after another (or `--jobs N` at a time, each in a
+process of its own), each an ordinary run directory. The one loop of every study kind; a kind may bring its own `status` and `execute` hooks (FGRPO's
 centralized runs are evaluated on every client after training).
 
 Resume rule: a run whose metrics.jsonl has its final step for every node is done and skipped; any
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -142,11 +143,16 @@ def run_study(
     console: Console | None = None,
     status: StatusHook | None = None,
     execute: ExecuteHook | None = None,
+    jobs: int = 1,
 ) -> SweepOutcome:
-    """Run every selected run not already done, sequentially (`status` says which are done,
-    `execute` runs one; by default: every node logged its last step, and an ordinary run from
-    scratch). A failing run is logged and recorded, and the sweep goes on; Ctrl-C stops it (the
-    interrupted run is redone next time)."""
+    """Run every selected run not already done (`status` says which are done, `execute` runs
+    one; by default: every node logged its last step, and an ordinary run from scratch). With
+    `jobs` 1 the runs go one after another in this process; with more, `jobs` runs at a time,
+    each in a process of its own with its torch threads set so that the total matches the
+    machine (:func:`threads_per_node`). A failing run is logged and recorded, and the sweep
+    goes on; Ctrl-C stops it (an interrupted run is redone next time)."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
     status = status or default_status
     execute = execute or default_execute
     out_dir = Path(out_dir) if out_dir else study.out_dir
@@ -164,12 +170,13 @@ def run_study(
         else:
             todo.append((r, state))
     log.info(
-        "study %s: %d runs selected, %d already done, %d to run, into %s",
+        "study %s: %d runs selected, %d already done, %d to run, into %s%s",
         study.spec.name,
         len(runs),
         len(outcome.skipped),
         len(todo),
         out_dir,
+        f", {jobs} at a time" if jobs > 1 else "",
     )
     t_start = time.time()
     columns = [
@@ -181,35 +188,130 @@ def run_study(
     ]
     with Progress(*columns, console=console) as progress:
         bar = progress.add_task(f"study {study.spec.name}", total=len(todo), info="")
-        for k, (run, state) in enumerate(todo, start=1):
-            eta = ""
-            if k > 1:  # mean time of the runs so far (failed ones included) x runs left
-                eta = f", about {_fmt_s((time.time() - t_start) / (k - 1) * (len(todo) - k + 1))} left"
-            progress.update(bar, info=f"run {k}/{len(todo)}: {run.id}{eta}")
-            try:
-                seconds = execute(run, out_dir / run.id, state, console=console)
-            except KeyboardInterrupt:
-                raise
-            except Exception as e:  # one failed run must not stop the study
-                outcome.failed[run.id] = f"{type(e).__name__}: {e}"
-                log.error("run %s failed: %s", run.id, outcome.failed[run.id])
-            else:
-                outcome.executed.append(run.id)
-                elapsed = time.time() - t_start
-                left = elapsed / k * (len(todo) - k)
-                log.info(
-                    "run %d/%d %s: %.0f s (study %s so far, about %s left)",
-                    k,
-                    len(todo),
-                    run.id,
-                    seconds,
-                    _fmt_s(elapsed),
-                    _fmt_s(left),
-                )
-            progress.advance(bar)
+        sweep = _Sweep(outcome, progress, bar, len(todo), t_start)
+        if jobs == 1:
+            for run, state in todo:
+                sweep.started([run.id])
+                try:
+                    seconds = execute(run, out_dir / run.id, state, console=console)
+                except KeyboardInterrupt:
+                    raise
+                except Exception as e:  # one failed run must not stop the study
+                    sweep.finished(run.id, error=e)
+                else:
+                    sweep.finished(run.id, seconds=seconds)
+        else:
+            _run_parallel(todo, out_dir, execute, jobs, sweep)
     outcome.seconds = time.time() - t_start
-    _record_invocation(out_dir, study, outcome, t_start, only)
+    _record_invocation(out_dir, study, outcome, t_start, only, jobs)
     return outcome
+
+
+class _Sweep:
+    """The progress bar, the log lines and the outcome, as runs start and finish."""
+
+    def __init__(self, outcome: SweepOutcome, progress: Progress, bar: Any, total: int, t0: float):
+        self.outcome, self.progress, self.bar, self.total, self.t0 = (
+            outcome,
+            progress,
+            bar,
+            total,
+            t0,
+        )
+        self.done = 0
+
+    def started(self, running: list[str]) -> None:
+        eta = ""
+        if self.done:  # mean time per finished run (failed ones included) x runs left
+            per = (time.time() - self.t0) / self.done
+            eta = f", about {_fmt_s(per * (self.total - self.done))} left"
+        first = self.done + 1
+        which = (
+            f"run {first}/{self.total}"
+            if len(running) == 1
+            else (f"runs {first}-{first + len(running) - 1}/{self.total}")
+        )
+        self.progress.update(self.bar, info=f"{which}: {', '.join(running)}{eta}")
+
+    def finished(self, run_id: str, *, seconds: float = 0.0, error: BaseException | None = None):
+        self.done += 1
+        if error is not None:
+            self.outcome.failed[run_id] = f"{type(error).__name__}: {error}"
+            log.error("run %s failed: %s", run_id, self.outcome.failed[run_id])
+        else:
+            self.outcome.executed.append(run_id)
+            elapsed = time.time() - self.t0
+            log.info(
+                "run %d/%d %s: %.0f s (study %s so far, about %s left)",
+                self.done,
+                self.total,
+                run_id,
+                seconds,
+                _fmt_s(elapsed),
+                _fmt_s(elapsed / self.done * (self.total - self.done)),
+            )
+        self.progress.advance(self.bar)
+
+
+def threads_per_node(jobs: int, nodes: int, cpus: int | None = None) -> int:
+    """Torch threads for each node process of a run when `jobs` runs of `nodes` nodes share the
+    machine's `cpus` cores: the total matches the machine (a 2-node run counts as 2), at
+    least 1. $OMP_NUM_THREADS, when set, wins (the caller's choice, e.g. 1 for timings)."""
+    env = os.environ.get("OMP_NUM_THREADS")
+    if env and env.isdigit() and int(env) > 0:
+        return int(env)
+    cpus = cpus or os.cpu_count() or 1
+    return max(1, cpus // (jobs * max(1, nodes)))
+
+
+def _execute_in_child(
+    execute: ExecuteHook, run: RunSpec, run_dir: Path, state: str, threads: int
+) -> float:
+    """A run in a process of its own (`ftis sweep --jobs N`), with its thread count: node
+    processes it launches inherit $OMP_NUM_THREADS; a run in this process sets torch's."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+    return execute(run, run_dir, state, console=None)
+
+
+def _run_parallel(
+    todo: list[tuple[RunSpec, str]], out_dir: Path, execute: ExecuteHook, jobs: int, sweep: _Sweep
+) -> None:
+    """`jobs` runs at a time, each in a fresh spawned process (one run per process: no state
+    carries from one run to the next), started in the sweep's order."""
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    ctx = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, max_tasks_per_child=1)
+    running: dict[Any, str] = {}
+    queue = list(todo)
+    try:
+        while queue or running:
+            while queue and len(running) < jobs:
+                run, state = queue.pop(0)
+                threads = threads_per_node(jobs, len(run.config.nodes))
+                fut = pool.submit(_execute_in_child, execute, run, out_dir / run.id, state, threads)
+                running[fut] = run.id
+                sweep.started(list(running.values()))
+            finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
+            for fut in finished:
+                run_id = running.pop(fut)
+                try:
+                    seconds = fut.result()
+                except Exception as e:  # the run failed, or its process died
+                    sweep.finished(run_id, error=e)
+                else:
+                    sweep.finished(run_id, seconds=seconds)
+            if running:
+                sweep.started(list(running.values()))
+    except KeyboardInterrupt:
+        # the children got the same Ctrl-C (one process group) and stop their runs themselves
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
 
 
 # What a run's results depend on in the checkout: the code, the study files and the configs
@@ -247,7 +349,12 @@ def code_version(root: Path | None = None) -> str | None:
 
 
 def _record_invocation(
-    out_dir: Path, study: Study, outcome: SweepOutcome, t_start: float, only: str | None
+    out_dir: Path,
+    study: Study,
+    outcome: SweepOutcome,
+    t_start: float,
+    only: str | None,
+    jobs: int = 1,
 ) -> None:
     path = out_dir / STUDY_LOG
     try:
@@ -264,6 +371,7 @@ def _record_invocation(
             "skipped": len(outcome.skipped),
             "failed": sorted(outcome.failed),
             "code": code_version(),
+            "jobs": jobs,
         }
     )
     _write_json(path, data)
