@@ -253,6 +253,15 @@ class TrainConfig(_Strict):
         description="Draw from the k most probable tokens only, renormalised; 0 = off "
         "(docs/math.md §7.1).",
     )
+    sampler_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Weights the sampler runs on: 'bfloat16' samples with a bf16 copy of the "
+        "node's model, refreshed from its weights before every rollout (half the bytes per "
+        "decode step; the trainer stays in model.dtype). The recorded sampler log-probs are the "
+        "bf16 model's, so the update's ratio sees the sampler/trainer mismatch that TIS and "
+        "F-TIS correct; `rollout/mismatch_k3` in the rows measures it (docs/design.md, "
+        "'bf16 sampler'). Evaluation stays on the trained weights.",
+    )
     micro_batch_size: int = Field(
         0, ge=0, description="Sequences per forward/backward; 0 = whole batch."
     )

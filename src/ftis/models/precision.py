@@ -14,6 +14,7 @@ the update is below half a bf16 step. Mixed precision does not have that problem
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 
@@ -39,3 +40,35 @@ def node_compute_dtype(node) -> torch.dtype | None:
     a model config, such as an evaluation harness holding only a model and a tokenizer)."""
     model_cfg = getattr(getattr(node, "cfg", None), "model", None)
     return None if model_cfg is None else model_compute_dtype(model_cfg.compute_dtype)
+
+
+SAMPLER_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
+
+
+class SamplerCopy:
+    """A low-precision copy of a model for sampling (`train.sampler_dtype`), made once and
+    refreshed from the model's current weights by :meth:`synced` before every rollout, so it can
+    never sample from stale weights, whatever changed them (an optimizer step, gossip averaging,
+    a federated round, a population perturbation). A refresh copies every parameter and
+    floating buffer with a cast: a read of the f32 weights, far less than one decode step's."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.copy: torch.nn.Module | None = None
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def synced(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The copy, holding `model`'s current weights in this dtype."""
+        if self.copy is None:
+            self.copy = copy.deepcopy(model).to(self.dtype)
+            self.copy.requires_grad_(False)
+            src = dict(model.named_parameters()) | dict(model.named_buffers())
+            dst = dict(self.copy.named_parameters()) | dict(self.copy.named_buffers())
+            if src.keys() != dst.keys():
+                raise RuntimeError("sampler copy: the model's tensors changed names when cast")
+            self._pairs = [(dst[k], src[k]) for k in src if src[k].is_floating_point()]
+        with torch.no_grad():
+            for d, s_ in self._pairs:
+                d.copy_(s_)
+        self.copy.train(model.training)
+        return self.copy

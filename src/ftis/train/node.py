@@ -20,6 +20,7 @@ from ftis.models.loading import (
     count_parameters,
     load_tokenizer,
 )
+from ftis.models.precision import SAMPLER_DTYPES, SamplerCopy
 from ftis.models.real import model_label
 from ftis.warmstart import warm_start
 
@@ -37,6 +38,18 @@ class Node:
     # i.e. at step 0. None otherwise; a LoRA node's reference is its base with the adapters
     # disabled (`reference`), so it needs no copy.
     ref_model: torch.nn.Module | None = None
+    # train.sampler_dtype bfloat16: the low-precision copy the sampler runs on (made on first use)
+    sampler_copy: SamplerCopy | None = None
+
+    def sampling_model(self, dtype: str = "float32") -> torch.nn.Module:
+        """The model a rollout samples from: the node's own, or (`train.sampler_dtype`
+        bfloat16) a copy in that dtype holding its current weights."""
+        target = SAMPLER_DTYPES[dtype]
+        if target is None or target == next(self.model.parameters()).dtype:
+            return self.model
+        if self.sampler_copy is None or self.sampler_copy.dtype != target:
+            self.sampler_copy = SamplerCopy(target)
+        return self.sampler_copy.synced(self.model)
 
     @property
     def name(self) -> str:

@@ -58,8 +58,9 @@ def generate(
             for p in problems
         ]
     )
+    model = node.sampling_model(cfg.sampler_dtype)
     out = sample(
-        node.model,
+        model,
         prompts,
         num_samples=num_samples,
         max_new_tokens=cfg.max_new_tokens,
@@ -69,7 +70,10 @@ def generate(
         top_k=cfg.top_k,
         top_p=cfg.top_p,
         noise=noise,
-        compute_dtype=model_compute_dtype(node.cfg.model.compute_dtype),
+        # a low-precision copy runs in its own dtype, not under the model's autocast
+        compute_dtype=None
+        if model is not node.model
+        else model_compute_dtype(node.cfg.model.compute_dtype),
     )
     n = out.completion_ids.shape[0]
     index = torch.tensor([p.index for p in problems], dtype=torch.long)

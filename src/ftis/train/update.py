@@ -125,6 +125,10 @@ def update(
     mask_all = batch.mask
     width_all = max(int(batch.lengths.max()), 1) if n else 1  # for the "padded" filter statistic
     kept_total = 0.0
+    # train.sampler_dtype bfloat16: the sampler/trainer mismatch on the node's own tokens, at
+    # the weights they were sampled with (the round's first update, before its step)
+    track_mismatch = node.sampler_copy is not None and update_index == 0
+    mismatch = [0.0, 0]  # sum of k3 over own tokens, their count
     lower = peer_clip_lower(update_index, loss_cfg.hacpo_clip_lower, loss_cfg.hacpo_clip_step)
     # model.compute_dtype bfloat16: forward passes under autocast (weights, gradients and the
     # optimizer stay in model.dtype; log-probs come out in f32); backward runs outside it.
@@ -152,6 +156,15 @@ def update(
                 temperature=temperature,
             )
         dev = logprobs.device  # the model's: a GPU node trains on the GPU, batches stay on CPU
+        if track_mismatch:
+            with torch.no_grad():
+                where = mask.to(dev) & ~bridged_all[sl].to(dev)[:, None]
+                if own is not None:
+                    where = where & own[sl].to(dev)[:, None]
+                d = logprobs.detach() - batch.sampler_logprobs[sl, :width].to(dev)
+                d = torch.where(where, d.clamp(-20.0, 20.0), torch.zeros_like(d))
+                mismatch[0] += float((torch.expm1(d) - d).sum())  # k3 = e^d - 1 - d
+                mismatch[1] += int(where.sum())
         br = bridged_all[sl].to(dev)
         ex = ~br
         all_exact = not bool(br.any())
@@ -301,6 +314,8 @@ def update(
                     p.grad.mul_(scale)
             totals["loss"] *= scale
     totals["active_frac"] = n / n_total if n_total else 0.0
+    if track_mismatch and mismatch[1]:
+        totals["sampler_mismatch_k3"] = mismatch[0] / mismatch[1]
     if n_bridged or batch.bridged is not None:
         totals["bridge_sequences"] = float(n_bridged)
         totals["bridge_weight_mean"] = bridge_sums["weight"] / n_bridged if n_bridged else 0.0
@@ -460,6 +475,8 @@ def train_on_round(
             log.warning("node %s step %d: update skipped: %s", node.name, step, e)
             skipped += 1
     out = {f"loss/{k}": v for k, v in mean_step_metrics(done).items()}
+    if "loss/sampler_mismatch_k3" in out:  # a property of the rollout, not of the loss
+        out["rollout/mismatch_k3"] = out.pop("loss/sampler_mismatch_k3")
     out["train/optimizer_steps"] = float(len(done))
     out["train/no_signal"] = 0.0
     return out, skipped
