@@ -442,15 +442,15 @@ def test_table_lines_renders_none_as_dash_and_drops_empty_columns() -> None:
 
 
 def test_the_shared_report_layer_imports_no_algorithm() -> None:
-    """Principle 18: ftis.report finds a run's section through the registry (`ftis.algos`)
-    only, never by importing an algorithm's package."""
+    """Principle 18: ftis.report finds a run's section through the registry (`ftis.plugins`)
+    only, never by importing an algorithm's package (tests/test_layers.py checks every module)."""
     import ftis.report
 
     tree = ast.parse(Path(ftis.report.__file__).read_text())
     imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
     imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-    assert "ftis.algos" in imported  # the registry
-    assert [m for m in imported if m.startswith("ftis.algos.")] == []
+    assert "ftis.plugins" in imported  # the registry
+    assert [m for m in imported if m.startswith("ftis.algos")] == []
 
 
 # ------------------------------------------------------------------ change over the run
