@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from ftis.cli import app
@@ -124,7 +125,8 @@ def test_verifiers_env_example_runs(tmp_path, monkeypatch):
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert {s["node"] for s in samples} == {"rubric", "trl"}
     env = _load(VF / "my_env.py")
-    rows = {r["question"]: r for r in env.load_environment(max_term=9).get_dataset()}
+    args = yaml.safe_load((VF / "config.yaml").read_text())["task"]["args"]
+    rows = {r["question"]: r for r in env.load_environment(**args).get_dataset()}
     for s in samples:
         gold = rows[s["question"].split("user: ")[1]]["answer"]
         said = [{"role": "assistant", "content": s["completion"]}]
