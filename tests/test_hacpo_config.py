@@ -3,6 +3,8 @@ scheme's sample slots and HACPO's per-learner bookkeeping."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -96,6 +98,26 @@ def test_joint_advantages_per_prompt_with_discrepancy_and_an_irregular_share():
     torch.testing.assert_close(omega, torch.tensor([1.0, 1.0, 4.0, 4.0, 1.0, 1.0, 1.0]))
     assert m["hacpo/irregular_sequences"] == 1.0
     assert m["hacpo/capability"] == 0.25 and m["hacpo/peer_capability"] == 1.0
+
+
+def test_joint_advantages_of_three_agents_log_each_pair():
+    """Three agents on one prompt, G = 2: learner 0 ([1, 0]), peer 1 ([0, 0]), peer 2 ([1, 1]):
+    capabilities 0.5, 0, 1. Per pair: w(0, 1) = clip(0.5 / 1e-8) = 10 (the clip's top),
+    w(0, 2) = 0.5; omega(1, 0) = clip(0 / 0.5) = 0.1 (the bottom), omega(2, 0) = 2.
+    mu = (1 + 0 + 0 + 0 + 0.5 + 0.5) / 6 = 1/3; sigma = sqrt(0.3) + 1e-6."""
+    b = _batch([5] * 6, [0, 0, 1, 1, 2, 2])
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    caps = Capabilities(window=5)
+    caps.record(b, r)
+    adv, omega, m = joint_advantages(b, r, caps, learner=0, names={1: "sub", 2: "mul"})
+    torch.testing.assert_close(adv, (r - 1 / 3) / (math.sqrt(0.3) + 1e-6))
+    torch.testing.assert_close(omega, torch.tensor([1.0, 1.0, 0.1, 0.1, 2.0, 2.0]))
+    assert m["hacpo/capability/sub"] == 0.0 and m["hacpo/capability/mul"] == 1.0
+    assert m["hacpo/weight/sub"] == pytest.approx(10.0)
+    assert m["hacpo/weight/mul"] == pytest.approx(0.5)
+    assert m["hacpo/discrepancy/sub"] == pytest.approx(0.1)
+    assert m["hacpo/discrepancy/mul"] == pytest.approx(2.0)
+    assert m["hacpo/peer_capability"] == pytest.approx(0.5)  # the mean over both peers
 
 
 def test_hacpo_in_a_swarm_is_refused_with_the_alternative():

@@ -371,3 +371,7 @@ def test_hacpo_trains_on_joint_groups_and_logs_its_mechanisms(tmp_path):
         for r in trained:
             peer_row = next(x for x in rows if x["node"] == other and x["step"] == r["step"])
             assert r["hacpo/peer_capability"] == peer_row["hacpo/capability"]
+            # per pair, under the peer's name: its capability, weight and discrepancy
+            assert r[f"hacpo/capability/{other}"] == peer_row["hacpo/capability"]
+            assert 0.1 <= r[f"hacpo/weight/{other}"] <= 10.0
+            assert r[f"hacpo/discrepancy/{other}"] == pytest.approx(r["hacpo/discrepancy"])

@@ -77,6 +77,27 @@ def test_hacpo_advantage_weights_the_baseline_by_capability():
     torch.testing.assert_close(a, torch.tensor([[1.0, -1.0], [1.0, 1.0]]) / 1.000002)
 
 
+def test_three_agents_by_hand():
+    """n = 3 (issue 35): every formula is per (learner, peer) pair; only the group grows.
+    P = (0.5, 0.25, 1.0). Learner 0: w(0, j) = P_0 / P_j = (1, 2, 0.5), omega(j, 0) = P_j / P_0
+    = (1, 0.5, 2). Learner 1: w(1, j) = (0.5, 1, 0.25), omega(j, 1) = (2, 1, 4).
+    Rewards (3 x 2) [[1, 0], [0, 0], [1, 1]]: sigma = std([1,0,0,0,1,1]) = sqrt(0.3) (unbiased:
+    6 x 0.25 / 5). Learner 0: mu = (1 + 0 + 0 + 0 + 0.5 + 0.5) / 6 = 1/3; learner 1:
+    mu = (0.5 + 0 + 0 + 0 + 0.25 + 0.25) / 6 = 1/6."""
+    cap = torch.tensor([0.5, 0.25, 1.0])
+    torch.testing.assert_close(capability_weights(cap, 0), torch.tensor([1.0, 2.0, 0.5]))
+    torch.testing.assert_close(discrepancy(cap, 0), torch.tensor([1.0, 0.5, 2.0]))
+    torch.testing.assert_close(capability_weights(cap, 1), torch.tensor([0.5, 1.0, 0.25]))
+    torch.testing.assert_close(discrepancy(cap, 1), torch.tensor([2.0, 1.0, 4.0]))
+    r = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
+    sigma = math.sqrt(0.3) + 1e-6
+    torch.testing.assert_close(hacpo_advantages(r, cap, 0), (r - 1 / 3) / sigma)
+    torch.testing.assert_close(hacpo_advantages(r, cap, 1), (r - 1 / 6) / sigma)
+    # learner 2 (P = 1, the strongest): w(2, j) = (2, 4, 1) clipped to [0.1, 10]: unchanged;
+    # mu = (2 + 0 + 0 + 0 + 1 + 1) / 6 = 2/3
+    torch.testing.assert_close(hacpo_advantages(r, cap, 2), (r - 2 / 3) / sigma)
+
+
 def test_hacpo_baseline_falls_back_to_own_mean_above_max_reward():
     # learner 0 with P = [1.0, 0.1]: w = [1, 10]; rewards [[0, 1], [1, 1]]:
     # mu = (0 + 1 + 10 + 10) / 4 = 5.25 > 1 -> mu = mean of own row = 0.5; sigma = 0.5 + 1e-6

@@ -249,7 +249,12 @@ class FTISAlgorithm:
             else:
                 self.hacpo.record(batch, rewards)
                 adv, peer_scale, hacpo_metrics = joint_advantages(
-                    batch, rewards, self.hacpo, learner=self.rank, max_reward=self.hacpo_max_reward
+                    batch,
+                    rewards,
+                    self.hacpo,
+                    learner=self.rank,
+                    max_reward=self.hacpo_max_reward,
+                    names=dict(enumerate(n.name for n in self.cfg.nodes)),
                 )
                 metrics.update(hacpo_metrics)
             if trust_scale is not None:

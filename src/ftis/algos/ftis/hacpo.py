@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ftis.core.hacpo import discrepancy, hacpo_advantages, max_reward_of
+from ftis.core.hacpo import capability_weights, discrepancy, hacpo_advantages, max_reward_of
 from ftis.rollout.types import RolloutBatch
 
 
@@ -66,9 +66,17 @@ def joint_advantages(
     *,
     learner: int,
     max_reward: float = 1.0,
+    names: dict[int, str] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """(N,) capability-aware advantages, (N,) discrepancy coefficients (1 on own sequences) and
     metrics, for a batch of joint groups (one per prompt) and the learner of rank `learner`.
+
+    With n >= 3 agents nothing changes in the formulas: the capability weight w(k, j), the
+    discrepancy omega(j, k) and the stepwise clip are each per (learner, peer) pair, and the
+    baseline averages over the n x G rewards of the group. Per pair the metrics add
+    `hacpo/capability/<peer>`, `hacpo/weight/<peer>` (w(k, j), the peer's rewards' weight in
+    the learner's baseline) and `hacpo/discrepancy/<peer>` (omega(j, k), the peer's samples'
+    scale in the loss), `<peer>` the peer's name in `names` (rank -> name), else its rank.
 
     A group's agents are those with completions for its prompt; an agent whose count differs
     from the learner's own in that group (a short or lost share) is left out of the group
@@ -106,4 +114,12 @@ def joint_advantages(
     if peer_ranks:
         metrics["hacpo/peer_capability"] = sum(caps.get(j) for j in peer_ranks) / len(peer_ranks)
         metrics["hacpo/discrepancy"] = float(omega[peers].mean())
+        everyone = [learner, *peer_ranks]
+        cap = torch.tensor([caps.get(j) for j in everyone], dtype=torch.float32)
+        w, om = capability_weights(cap, 0), discrepancy(cap, 0)
+        for i, j in enumerate(peer_ranks, start=1):
+            peer = (names or {}).get(j, str(j))
+            metrics[f"hacpo/capability/{peer}"] = float(cap[i])
+            metrics[f"hacpo/weight/{peer}"] = float(w[i])
+            metrics[f"hacpo/discrepancy/{peer}"] = float(om[i])
     return adv, omega, metrics
