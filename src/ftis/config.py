@@ -323,6 +323,14 @@ class SharingConfig(_Strict):
         "joint: every node answers every prompt with G completions (HACPO's joint groups of "
         "n x G).",
     )
+    share: Literal["all", "successes"] = Field(
+        "all",
+        description="What a node sends its peers: 'all' its completions, or 'successes' only "
+        "those its own verifier rewards above 0 (success-gated transfer: less on the wire, a "
+        "smaller poisoning surface). Needs scheme joint; a receiver counts a peer's withheld "
+        "completions as reward-0 members of the group, so each advantage is the one full "
+        "sharing would give (docs/math.md §17).",
+    )
 
 
 class ExchangeConfig(_Strict):

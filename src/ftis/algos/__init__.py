@@ -45,6 +45,12 @@ class FTISConfig(AlgorithmConfig):
     kind: Literal["ftis"] = "ftis"
 
     def check_run(self, run) -> None:
+        if run.sharing.share == "successes" and run.sharing.scheme != "joint":
+            raise ValueError(
+                "sharing.share successes sends a peer only a node's successes, which have no "
+                "baseline of their own unless every node answers every prompt; set "
+                f"sharing.scheme: joint (it is {run.sharing.scheme!r})"
+            )
         hacpo = [n.name for n in run.nodes if n.loss.method == "hacpo"]
         if hacpo and run.sharing.scheme != "joint":
             raise ValueError(

@@ -94,6 +94,38 @@ def advantages_for(
     return flat_group_advantages(rewards, group_ids(batch, by), scale=scale, valid=valid)
 
 
+def advantages_with_withheld(
+    batch: RolloutBatch,
+    rewards: torch.Tensor,
+    scale: str,
+    withheld: dict[int, int],
+    *,
+    excluded: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`advantages_for` grouped by prompt, where a prompt's group also holds `withheld[p]`
+    completions the batch does not carry, counted at reward 0 in its mean and std (success-
+    gated sharing: a peer's failures, which it answered but did not send; docs/math.md §17).
+    With every failure's reward 0 this is exactly the advantage full sharing gives each sequence
+    that was sent."""
+    extra = [(p, c) for p, c in sorted(withheld.items()) if c > 0]
+    if not extra:
+        return advantages_for(batch, rewards, scale, by="prompt", excluded=excluded)
+    if excluded is None:
+        excluded = excluded_rows(batch)
+    n = batch.num_sequences
+    ids = torch.cat(
+        [
+            batch.prompt_index,
+            torch.tensor([p for p, c in extra for _ in range(c)], dtype=torch.long),
+        ]
+    )
+    phantom = sum(c for _, c in extra)
+    r = torch.cat([rewards, torch.zeros(phantom, dtype=rewards.dtype, device=rewards.device)])
+    valid = torch.cat([~excluded.to(dtype=torch.bool), torch.ones(phantom, dtype=torch.bool)])
+    adv = flat_group_advantages(r, ids.to(r.device), scale=scale, valid=valid.to(r.device))
+    return adv[:n]
+
+
 def finite_rewards(rewards: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(rewards with every NaN/inf replaced by 0, how many were replaced): a verifier that cannot
     decide gives no reward, and a NaN never reaches the advantages."""

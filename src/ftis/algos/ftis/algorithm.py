@@ -90,6 +90,10 @@ class FTISAlgorithm:
         self._prompt_len: dict[int, int] = {}  # train-split index -> prompt tokens
         loss = ctx.node.cfg.loss
         self.hacpo = Capabilities(loss.hacpo_window) if loss.method == "hacpo" else None
+        # success-gated sharing (sharing.share successes): the step's withheld completions,
+        # (prompt, peer rank) -> count, and its exchange/gated_* rows
+        self.withheld: dict[tuple[int, int], int] | None = None
+        self.gate_metrics: dict[str, float] = {}
         self.hacpo_max_reward = hacpo_max_reward(loss, self.task) if self.hacpo else 1.0
 
     def state_dict(self) -> dict[str, Any]:
@@ -137,11 +141,20 @@ class FTISAlgorithm:
                 cfg=tc,
                 step=step,
             )
+        gate = self.cfg.sharing.share == "successes" and world > 1
+        sent = own
+        if gate:  # success-gated sharing: peers get only what this node's verifier rewards
+            with self.timer("gate"):
+                sent = self._successes(own)
         with self.timer("exchange"):
-            received = self.exchange.all_gather(self._outgoing(own, step))
+            received = self.exchange.all_gather(self._outgoing(sent, step))
             received[self.rank] = own  # a node trains on its own honest samples
         with self.timer("validate"):
             rejected = self._validate(received, indices, step)
+        # each peer that sent a batch answered every prompt with G: what it did not send it
+        # withheld as a failure (docs/math.md §17)
+        self.withheld = self._withheld(received, indices) if gate else None
+        self.gate_metrics = {"exchange/gated_sent": float(sent.num_sequences)} if gate else {}
         bridge_metrics = {}
         if self.bridged_peers:
             with self.timer("bridge"):
@@ -151,6 +164,7 @@ class FTISAlgorithm:
             metrics["attack/poisoned_sent"] = float(self.poisoned)
         if world > 1:
             metrics.update(self._exchange_metrics(own, batch, rejected))
+            metrics.update(self.gate_metrics)
         if self.bridged_peers:
             metrics.update(bridge_metrics)
             # over the bridged sequences the update ran (non-zero advantage); 0 when none did
@@ -158,6 +172,30 @@ class FTISAlgorithm:
             metrics["bridge/mean_weight"] = metrics.get("loss/bridge_weight_mean", 0.0)
             metrics["bridge/filtered"] = metrics.get("loss/bridge_filtered", 0.0)
         return metrics
+
+    def _successes(self, own: RolloutBatch) -> RolloutBatch:
+        """This node's own completions that its verifier rewards above 0."""
+        rewards, _ = scoring.finite_rewards(scoring.score(self.task, self.node.tokenizer, own))
+        keep = (rewards > 0) & ~scoring.excluded_rows(own).to(rewards.device)
+        return own.select(keep.cpu())
+
+    def _withheld(
+        self, received: list[RolloutBatch | None], indices: list[int]
+    ) -> dict[tuple[int, int], int]:
+        """(prompt, peer rank) -> completions the peer answered but did not send: G less what
+        arrived, for every prompt of the step and every peer whose batch arrived (a lost
+        peer's prompts have no group to fill)."""
+        g = self.cfg.train.group_size
+        out: dict[tuple[int, int], int] = {}
+        for peer, b in enumerate(received):
+            if peer == self.rank or b is None:
+                continue
+            counts: dict[int, int] = {}
+            for p in b.prompt_index.tolist():
+                counts[p] = counts.get(p, 0) + 1
+            for p in indices:
+                out[(p, peer)] = max(g - counts.get(p, 0), 0)
+        return out
 
     def _bridge(self, received: list[RolloutBatch | None], step: int) -> dict[str, float]:
         """Re-tokenize every bridged peer's batch in place (docs/math.md §16); a sequence whose
@@ -204,6 +242,27 @@ class FTISAlgorithm:
                 step,
                 bad_rewards,
             )
+        withheld = self.withheld if groups == "prompt" else None
+        if withheld is not None:
+            # a peer sends only its successes: what this node's verifier does not reward is
+            # dropped, counted, and kept in the group as a withheld failure
+            failed = (batch.generator != self.rank) & (rewards <= 0).cpu()
+            self.gate_metrics["exchange/gated_failures_dropped"] = float(failed.sum())
+            if bool(failed.any()):
+                log.warning(
+                    "node %s step %d: dropped %d peer completion(s) sent as successes that "
+                    "this node's verifier does not reward",
+                    self.node.name,
+                    step,
+                    int(failed.sum()),
+                )
+                for p, j in zip(
+                    batch.prompt_index[failed].tolist(),
+                    batch.generator[failed].tolist(),
+                    strict=True,
+                ):
+                    withheld[(p, j)] = withheld.get((p, j), 0) + 1
+                batch, rewards = batch.select(~failed), rewards[~failed.to(rewards.device)]
         screened: dict[str, float] = {}
         trust_scale = None
         if self.cfg.defence.active and bool((batch.generator != self.rank).any()):
@@ -242,12 +301,19 @@ class FTISAlgorithm:
                     trust_scale = trust_scale[~lonely]
             peer_scale = None
             metrics: dict[str, float] = {"train/skipped_groups": float(skipped_groups)}
-            if self.hacpo is None:
-                adv = scoring.advantages_for(
-                    batch, rewards, self.node.cfg.loss.advantage_scale, by=groups
-                )
+            scale = self.node.cfg.loss.advantage_scale
+            if self.hacpo is None and withheld is None:
+                adv = scoring.advantages_for(batch, rewards, scale, by=groups)
+            elif self.hacpo is None:
+                per_prompt: dict[int, int] = {}
+                for (p, _), c in withheld.items():
+                    per_prompt[p] = per_prompt.get(p, 0) + c
+                adv = scoring.advantages_with_withheld(batch, rewards, scale, per_prompt)
             else:
-                self.hacpo.record(batch, rewards)
+                per_agent: dict[int, int] = {}
+                for (_, j), c in (withheld or {}).items():
+                    per_agent[j] = per_agent.get(j, 0) + c
+                self.hacpo.record(batch, rewards, withheld=per_agent)
                 adv, peer_scale, hacpo_metrics = joint_advantages(
                     batch,
                     rewards,
@@ -255,6 +321,7 @@ class FTISAlgorithm:
                     learner=self.rank,
                     max_reward=self.hacpo_max_reward,
                     names=dict(enumerate(n.name for n in self.cfg.nodes)),
+                    withheld=withheld,
                 )
                 metrics.update(hacpo_metrics)
             if trust_scale is not None:

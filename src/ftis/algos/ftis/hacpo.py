@@ -28,10 +28,17 @@ class Capabilities:
         self.window = window
         self.history: dict[int, deque[float]] = {}
 
-    def record(self, batch: RolloutBatch, rewards: torch.Tensor) -> None:
-        """Add this step's success rate of every agent that has completions in `batch`."""
-        for j in sorted(set(batch.generator.tolist())):
-            rate = float((rewards[batch.generator == j] > 0).float().mean())
+    def record(
+        self, batch: RolloutBatch, rewards: torch.Tensor, withheld: dict[int, int] | None = None
+    ) -> None:
+        """Add this step's success rate of every agent that has completions in `batch` (or, under
+        success-gated sharing, withheld ones: `withheld[j]` completions agent j answered but did
+        not send, each a failure, so its rate is what it sent over what it answered)."""
+        withheld = withheld or {}
+        for j in sorted(set(batch.generator.tolist()) | {j for j, c in withheld.items() if c}):
+            mine = rewards[batch.generator == j]
+            answered = mine.numel() + withheld.get(j, 0)
+            rate = float((mine > 0).sum()) / answered
             self.history.setdefault(j, deque(maxlen=self.window)).append(rate)
 
     def get(self, rank: int) -> float:
@@ -67,6 +74,7 @@ def joint_advantages(
     learner: int,
     max_reward: float = 1.0,
     names: dict[int, str] | None = None,
+    withheld: dict[tuple[int, int], int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """(N,) capability-aware advantages, (N,) discrepancy coefficients (1 on own sequences) and
     metrics, for a batch of joint groups (one per prompt) and the learner of rank `learner`.
@@ -81,29 +89,39 @@ def joint_advantages(
     A group's agents are those with completions for its prompt; an agent whose count differs
     from the learner's own in that group (a short or lost share) is left out of the group
     (advantage 0, counted as ``hacpo/irregular_sequences``): the joint group is (n, G).
+    `withheld[(prompt, j)]`: completions agent j answered for the prompt but did not send
+    (success-gated sharing: its failures); they fill j's row of the group at reward 0, so the
+    baseline and the std are those of the full (n, G) group (docs/math.md §17).
     """
     adv = torch.zeros(batch.num_sequences, dtype=torch.float32)
     omega = torch.ones(batch.num_sequences, dtype=torch.float32)
     irregular = 0
-    for prompt in torch.unique(batch.prompt_index).tolist():
+    withheld = withheld or {}
+    prompts = set(batch.prompt_index.tolist()) | {p for (p, _), c in withheld.items() if c}
+    for prompt in sorted(prompts):
         in_group = batch.prompt_index == prompt
-        agents = sorted(set(batch.generator[in_group].tolist()))
+        agents = set(batch.generator[in_group].tolist())
+        agents |= {j for (p, j), c in withheld.items() if p == prompt and c}
+        agents = sorted(agents)
         if learner not in agents:
             irregular += int(in_group.sum())
             continue
         rows = {j: torch.nonzero(in_group & (batch.generator == j)).flatten() for j in agents}
         size = rows[learner].numel()
-        kept = [j for j in agents if rows[j].numel() == size]
+        answered = {j: rows[j].numel() + withheld.get((prompt, j), 0) for j in agents}
+        kept = [j for j in agents if answered[j] == size]
         irregular += sum(rows[j].numel() for j in agents if j not in kept)
         if size == 0:
             continue
         cap = torch.tensor([caps.get(j) for j in kept], dtype=torch.float32)
         k = kept.index(learner)
-        group_rewards = torch.stack([rewards[rows[j]] for j in kept])
+        group_rewards = torch.zeros(len(kept), size, dtype=torch.float32)
+        for r, j in enumerate(kept):  # a withheld completion: a failure, reward 0
+            group_rewards[r, : rows[j].numel()] = rewards[rows[j]].float()
         group_adv = hacpo_advantages(group_rewards, cap, k, max_reward=max_reward)
         group_omega = discrepancy(cap, k)
         for r, j in enumerate(kept):
-            adv[rows[j]] = group_adv[r]
+            adv[rows[j]] = group_adv[r, : rows[j].numel()]
             omega[rows[j]] = group_omega[r]
     peers = batch.generator != learner
     peer_ranks = sorted({j for j in batch.generator.tolist() if j != learner})

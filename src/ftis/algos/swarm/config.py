@@ -191,6 +191,12 @@ class SwarmConfig(AlgorithmConfig):
 
     def check_run(self, run: Any) -> None:
         names = [n.name for n in run.nodes]
+        if run.sharing.share != "all":
+            raise ValueError(
+                "sharing.share successes is not supported in a swarm yet (a swarm's peers "
+                "answer their own prompts); remove it or run algorithm.kind ftis with "
+                "sharing.scheme joint"
+            )
         hacpo = [n.name for n in run.nodes if n.loss.method == "hacpo"]
         if hacpo:
             raise ValueError(
