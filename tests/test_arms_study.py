@@ -228,6 +228,9 @@ def test_corp_randopt_rows_read_the_corp_runs_own_figures_at_stage0_tokens(tmp_p
             if row["step"] == 3:
                 row["eval/randopt/best_accuracy"] = 0.30
                 row["eval/randopt/vote_accuracy"] = 0.27
+                row.update({"corp/validation_base": 0.2, "corp/validation_reward": 0.25})
+                row["corp/applied"] = 1.0
+                row["population/perturbations_per_second"] = 0.0734
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     text = write_arms_results(study).read_text()
     head, paired = text.split("## Paired differences with intervals")
@@ -239,6 +242,9 @@ def test_corp_randopt_rows_read_the_corp_runs_own_figures_at_stage0_tokens(tmp_p
     assert "| 100 | 27.0 ± 0.0 | +7.0 ± 0.0 |" in vote
     assert "| 150 | 25.0 ± 0.0 |" in lines["CoRP pooled"]  # CoRP itself: all 3 steps
     assert "| CoRP pooled: RandOpt best of 64 | **+10.0 [+10.0, +10.0]** |" in paired
+    # CoRP's validation gate, where its runs have one; a rate below 1/s keeps its digits
+    assert "| corp-s0 | (0.75, 10, 2) | 16 | 30.0 -> 32.0 | 20.0 -> 25.0 (applied) | yes |" in text
+    assert "| 0.073 |" in text
     # off by default: the population study's document has no such rows
     study = load_arms_study(_study(tmp_path))
     assert "RandOpt best of" not in write_arms_results(study).read_text()

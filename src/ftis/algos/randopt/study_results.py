@@ -385,8 +385,10 @@ def _alone_table(study: Study, results: list[ArmResult]) -> list[str]:
 
 
 def _corp_table(study: Study, results: list[ArmResult]) -> list[str]:
-    """CoRP's choices per run: (q, beta, alpha), elite, probe rewards, agreement of weights."""
+    """CoRP's choices per run: (q, beta, alpha), elite, probe rewards, agreement of weights,
+    and (runs with CoRP's validation gate) the validation rewards and whether it applied."""
     rows = []
+    gated = any("corp/applied" in r for res in results if _kind(res) == "corp" for r in res.rows)
     for res in results:
         if _kind(res) != "corp":
             continue
@@ -407,9 +409,16 @@ def _corp_table(study: Study, results: list[ArmResult]) -> list[str]:
                 f"{100 * f0.get('corp/probe_base', float('nan')):.1f} -> "
                 f"{100 * f0.get('corp/probe_reward', float('nan')):.1f}",
                 "yes" if len(shas) == 1 and None not in shas else "NO",
-                f"{statistics.fmean(pps):.1f}" if pps else "-",
+                _rate(statistics.fmean(pps)) if pps else "-",
             ]
         )
+        if gated:
+            rows[-1].insert(
+                4,
+                f"{100 * f0.get('corp/validation_base', float('nan')):.1f} -> "
+                f"{100 * f0.get('corp/validation_reward', float('nan')):.1f} "
+                f"({'applied' if f0.get('corp/applied') else 'kept theta_0'})",
+            )
     if not rows:
         return []
     header = [
@@ -420,7 +429,15 @@ def _corp_table(study: Study, results: list[ArmResult]) -> list[str]:
         "same weights on every party",
         "members/s per party",
     ]
+    if gated:
+        header.insert(4, "pooled validation reward %: theta_0 -> chosen")
     return _table(header, rows)
+
+
+def _rate(v: float) -> str:
+    """A rate with one decimal, or two significant digits below 1 (a real model scores a
+    member in seconds: 0.07/s, not 0.0)."""
+    return f"{v:.1f}" if v >= 1 else f"{v:.2g}"
 
 
 # ------------------------------------------------------------------------------------- plot
