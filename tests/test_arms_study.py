@@ -327,6 +327,34 @@ def test_sweep_jobs_runs_at_the_same_time_with_the_same_results(tmp_path, monkey
     assert invocation["jobs"] == 2 and invocation["executed"] == 2
 
 
+def test_a_run_whose_process_dies_fails_alone_under_jobs(tmp_path, monkeypatch):
+    """--jobs 2: one run's process exits hard mid-run (testing.crash_at_step); that run is
+    recorded as failed with its exit code, the other completes, the sweep exits 1."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(tiny_run_config(steps=2)))
+    spec = {
+        "kind": "arms",
+        "name": "tiny",
+        "report": str(tmp_path / "tiny.md"),
+        "results": "population",
+        "seeds": [0],
+        "set": ["nodes.0.warm_start.steps=10", "eval.pass_samples=0"],
+        "options": {"base_series": "gd"},
+        "arms": {
+            "gd": {"config": "tiny.yaml"},
+            "crash": {"config": "tiny.yaml", "set": ["testing.crash_at_step={xs: 1}"]},
+        },
+    }
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["sweep", str(path), "--out", str(out), "--jobs", "2"])
+    assert res.exit_code == 1, res.output
+    invocation = json.loads((out / "study.json").read_text())["invocations"][-1]
+    assert invocation["failed"] == ["crash-s0"] and invocation["executed"] == 1
+    assert json.loads((out / "gd-s0/study-run.json").read_text())["status"] == "done"
+
+
 def test_threads_per_node_fill_the_machine(monkeypatch):
     from ftis.study.runner import threads_per_node
 

@@ -25,6 +25,12 @@ def test_the_copy_is_bf16_and_follows_every_change_of_the_weights():
     first = copy.synced(model)
     assert {p.dtype for p in first.parameters()} == {torch.bfloat16}
     assert not any(p.requires_grad for p in first.parameters())
+    # buffers keep their dtype: RoPE's inverse frequencies stay f32 (in bf16 every angle
+    # would carry an error growing with the position)
+    buffers = dict(model.named_buffers())
+    assert buffers, "the preset has no buffer to check"
+    for name, b in first.named_buffers():
+        assert b.dtype == buffers[name].dtype, name
     w = next(model.parameters())
     with torch.no_grad():
         w.add_(0.5)  # as an optimizer step, gossip averaging or a perturbation would

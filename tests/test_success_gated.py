@@ -67,6 +67,21 @@ def test_hacpo_advantages_and_capabilities_of_what_was_sent_equal_full_sharings(
     assert m["hacpo/irregular_sequences"] == 0
 
 
+def test_a_peer_that_sent_nothing_is_still_a_peer_in_hacpos_rows():
+    """Peer 1 withheld all of prompt 9's completions and sent one success for prompt 4; peer 2
+    withheld everything. Both are in the groups (as failures) and in the per-pair rows."""
+    b = _batch([4, 4, 4, 4, 9, 9, 9], [0, 0, 0, 1, 0, 0, 0])
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0])
+    withheld = {(4, 1): 2, (9, 1): 3, (4, 2): 3, (9, 2): 3}
+    caps = Capabilities()
+    caps.record(b, r, withheld={1: 5, 2: 6})
+    assert caps.get(2) == 0.0 and caps.get(1) == pytest.approx(1 / 6)
+    _, _, m = joint_advantages(b, r, caps, learner=0, withheld=withheld, names={1: "p", 2: "q"})
+    assert m["hacpo/capability/q"] == 0.0 and "hacpo/weight/q" in m
+    assert m["hacpo/peer_capability"] == pytest.approx((1 / 6 + 0.0) / 2)
+    assert m["hacpo/irregular_sequences"] == 0
+
+
 def _two_nodes(**sharing):
     data = tiny_run_config(steps=2, prompts_per_step=4)
     data["nodes"] = [

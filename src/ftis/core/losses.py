@@ -358,7 +358,9 @@ def hacpo_sequence_term(x: SequenceTermInputs) -> SequenceTermOutput:
     )
 
 
-# Views of the registry, for callers and tests that name the built-in families.
+# Views of the registry as it is once the built-in terms are registered (taken at import, so a
+# plugin's later terms are not in them): for callers and tests that name the built-in
+# families. What a config accepts is `loss_methods()`, read at each check.
 TOKEN_TERMS: dict[str, TokenTerm] = {
     t.name: t.fn for t in LOSS_TERMS.values() if t.level == "token"
 }

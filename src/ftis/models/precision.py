@@ -48,9 +48,11 @@ SAMPLER_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 class SamplerCopy:
     """A low-precision copy of a model for sampling (`train.sampler_dtype`), made once and
     refreshed from the model's current weights by :meth:`synced` before every rollout, so it can
-    never sample from stale weights, whatever changed them (an optimizer step, gossip averaging,
-    a federated round, a population perturbation). A refresh copies every parameter and
-    floating buffer with a cast: a read of the f32 weights, far less than one decode step's."""
+    never sample from stale weights, whatever changed them (an optimizer step, a federated
+    round's new weights, a restore). A refresh copies every parameter with a cast: a read of the
+    f32 weights, far less than one decode step's. Only the parameters are cast: buffers keep
+    their dtype (RoPE's inverse frequencies in bf16 would put an error into every position's
+    angle that grows with the position)."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -60,12 +62,14 @@ class SamplerCopy:
     def synced(self, model: torch.nn.Module) -> torch.nn.Module:
         """The copy, holding `model`'s current weights in this dtype."""
         if self.copy is None:
-            self.copy = copy.deepcopy(model).to(self.dtype)
+            self.copy = copy.deepcopy(model)
             self.copy.requires_grad_(False)
-            src = dict(model.named_parameters()) | dict(model.named_buffers())
-            dst = dict(self.copy.named_parameters()) | dict(self.copy.named_buffers())
+            for p in self.copy.parameters():
+                if p.is_floating_point():
+                    p.data = p.data.to(self.dtype)
+            src, dst = dict(model.named_parameters()), dict(self.copy.named_parameters())
             if src.keys() != dst.keys():
-                raise RuntimeError("sampler copy: the model's tensors changed names when cast")
+                raise RuntimeError("sampler copy: the model's parameters changed names when cast")
             self._pairs = [(dst[k], src[k]) for k in src if src[k].is_floating_point()]
         with torch.no_grad():
             for d, s_ in self._pairs:

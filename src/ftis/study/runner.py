@@ -233,10 +233,13 @@ class _Sweep:
         )
         self.progress.update(self.bar, info=f"{which}: {', '.join(running)}{eta}")
 
-    def finished(self, run_id: str, *, seconds: float = 0.0, error: BaseException | None = None):
+    def finished(
+        self, run_id: str, *, seconds: float = 0.0, error: BaseException | str | None = None
+    ):
         self.done += 1
         if error is not None:
-            self.outcome.failed[run_id] = f"{type(error).__name__}: {error}"
+            why = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+            self.outcome.failed[run_id] = why
             log.error("run %s failed: %s", run_id, self.outcome.failed[run_id])
         else:
             self.outcome.executed.append(run_id)
@@ -276,42 +279,66 @@ def _execute_in_child(
     return execute(run, run_dir, state, console=None)
 
 
+def _child_main(
+    conn: Any, execute: ExecuteHook, run: RunSpec, run_dir: Path, state: str, threads: int
+):
+    """The body of a run's process: its outcome goes back through `conn`, ("ok", seconds) or
+    ("error", message); a process that dies without sending is a failed run too."""
+    try:
+        conn.send(("ok", _execute_in_child(execute, run, run_dir, state, threads)))
+    except BaseException as e:  # every way a run ends is reported
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        conn.close()
+
+
 def _run_parallel(
     todo: list[tuple[RunSpec, str]], out_dir: Path, execute: ExecuteHook, jobs: int, sweep: _Sweep
 ) -> None:
-    """`jobs` runs at a time, each in a fresh spawned process (one run per process: no state
-    carries from one run to the next), started in the sweep's order."""
+    """`jobs` runs at a time, each in a fresh spawned process of its own (no state carries from
+    one run to the next, and a run whose process dies, killed or crashed, fails alone), started
+    in the sweep's order."""
     import multiprocessing
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from multiprocessing.connection import wait
 
     ctx = multiprocessing.get_context("spawn")
-    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, max_tasks_per_child=1)
-    running: dict[Any, str] = {}
+    running: dict[Any, tuple[Any, Any, str]] = {}  # sentinel -> (process, pipe end, run id)
     queue = list(todo)
     try:
         while queue or running:
             while queue and len(running) < jobs:
                 run, state = queue.pop(0)
                 threads = threads_per_node(jobs, len(run.config.nodes))
-                fut = pool.submit(_execute_in_child, execute, run, out_dir / run.id, state, threads)
-                running[fut] = run.id
-                sweep.started(list(running.values()))
-            finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
-            for fut in finished:
-                run_id = running.pop(fut)
-                try:
-                    seconds = fut.result()
-                except Exception as e:  # the run failed, or its process died
-                    sweep.finished(run_id, error=e)
+                recv, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=_child_main,
+                    args=(send, execute, run, out_dir / run.id, state, threads),
+                    name=f"ftis-sweep-{run.id}",
+                )
+                proc.start()
+                send.close()
+                running[proc.sentinel] = (proc, recv, run.id)
+                sweep.started([r for _, _, r in running.values()])
+            for sentinel in wait(list(running)):
+                proc, recv, run_id = running.pop(sentinel)
+                proc.join()
+                outcome = recv.recv() if recv.poll() else None
+                recv.close()
+                if outcome is None:
+                    sweep.finished(run_id, error=f"its process died (exit code {proc.exitcode})")
+                elif outcome[0] == "ok":
+                    sweep.finished(run_id, seconds=outcome[1])
                 else:
-                    sweep.finished(run_id, seconds=seconds)
+                    sweep.finished(run_id, error=outcome[1])
             if running:
-                sweep.started(list(running.values()))
+                sweep.started([r for _, _, r in running.values()])
     except KeyboardInterrupt:
         # the children got the same Ctrl-C (one process group) and stop their runs themselves
-        pool.shutdown(wait=True, cancel_futures=True)
+        for proc, _, _ in running.values():
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.terminate()
         raise
-    pool.shutdown(wait=True)
 
 
 # What a run's results depend on in the checkout: the code, the study files and the configs

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ftis.algos import AlgorithmConfig
 from ftis.algos.federated.config import SERVER_NAME, SimulationConfig, check_federated_run
+from ftis.plugins import check_sampler_dtype_unused
 
 DEFAULT_CORRUPTIONS = {"own": 1.0}
 PREFERENCE_FORMATS = ("ftis", "hh-rlhf", "shp")
@@ -155,6 +156,7 @@ class DPOConfig(AlgorithmConfig):
     data: PreferenceDataConfig = Field(default_factory=PreferenceDataConfig)
 
     def check_run(self, run: Any) -> None:
+        check_sampler_dtype_unused(run, self.kind, "samples its preference pairs")
         names = [n.name for n in run.nodes]
         unknown = sorted(set(self.data.agents) - set(names))
         if unknown:
@@ -391,6 +393,7 @@ class FedDPOConfig(DPOConfig):
         return [SERVER_NAME]
 
     def check_run(self, run: Any) -> None:
+        check_sampler_dtype_unused(run, self.kind, "samples its preference pairs")
         check_federated_run(
             run,
             kind="fed-dpo",

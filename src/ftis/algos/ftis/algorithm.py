@@ -163,7 +163,9 @@ class FTISAlgorithm:
         if self.poison is not None:
             metrics["attack/poisoned_sent"] = float(self.poisoned)
         if world > 1:
-            metrics.update(self._exchange_metrics(own, batch, rejected))
+            metrics.update(
+                self._exchange_metrics(own, batch, rejected, sent_tokens=sent.num_tokens)
+            )
             metrics.update(self.gate_metrics)
         if self.bridged_peers:
             metrics.update(bridge_metrics)
@@ -275,11 +277,23 @@ class FTISAlgorithm:
                     micro_batch_size=self.cfg.train.micro_batch_size,
                 )
                 if not bool(keep.all()):
+                    if withheld is not None:
+                        # a screened peer's completions are out of the step's groups: so are the
+                        # failures it withheld (its remaining rows join as under full sharing)
+                        for j in set(batch.generator[~keep].tolist()):
+                            for key in [k for k in withheld if k[1] == j]:
+                                withheld[key] = 0
                     batch, rewards, trust_scale = (
                         batch.select(keep),
                         rewards[keep],
                         trust_scale[keep],
                     )
+        if withheld is not None and self.cfg.defence.trust:
+            # a quarantined peer shapes no group, even through the failures it withheld (it may
+            # have sent no row at all for the screens to drop)
+            for key in withheld:
+                if self.screen.trust(key[1]) < self.cfg.defence.quarantine_below:
+                    withheld[key] = 0
         if self.cfg.defence.trust:
             names = self.cfg.rank_names
             for peer in range(self.exchange.world_size):
@@ -436,9 +450,15 @@ class FTISAlgorithm:
         return out
 
     def _exchange_metrics(
-        self, own: RolloutBatch, batch: RolloutBatch, rejected: int
+        self,
+        own: RolloutBatch,
+        batch: RolloutBatch,
+        rejected: int,
+        *,
+        sent_tokens: int | None = None,
     ) -> dict[str, float]:
-        """Rollout-specific exchange figures; the shell adds the transport's bytes."""
+        """Rollout-specific exchange figures; the shell adds the transport's bytes. Bytes per
+        token are over the tokens sent (`sent_tokens`, all own ones by default)."""
         s = self.exchange.last_stats
         out = {
             "exchange/seconds": s.seconds,
@@ -448,8 +468,9 @@ class FTISAlgorithm:
             # peers (payloads received) and lost_peers (so far)
             **{f"exchange/{k}": float(v) for k, v in s.extra.items()},
         }
-        if own.num_tokens:
-            out["exchange/bytes_per_token"] = s.bytes_sent / own.num_tokens
+        tokens = own.num_tokens if sent_tokens is None else sent_tokens
+        if tokens:
+            out["exchange/bytes_per_token"] = s.bytes_sent / tokens
         return out
 
 

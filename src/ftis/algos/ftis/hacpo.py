@@ -124,7 +124,9 @@ def joint_advantages(
             adv[rows[j]] = group_adv[r, : rows[j].numel()]
             omega[rows[j]] = group_omega[r]
     peers = batch.generator != learner
-    peer_ranks = sorted({j for j in batch.generator.tolist() if j != learner})
+    # a peer that sent nothing (every completion withheld as a failure) is a peer all the same
+    present = set(batch.generator.tolist()) | {j for (_, j), c in withheld.items() if c}
+    peer_ranks = sorted(j for j in present if j != learner)
     metrics = {
         "hacpo/capability": caps.get(learner),
         "hacpo/irregular_sequences": float(irregular),

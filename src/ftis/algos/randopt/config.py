@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from ftis.algos import AlgorithmConfig, check_one_shared_model
+from ftis.plugins import check_sampler_dtype_unused
 
 
 def _finite(name: str, values: list[float], *, positive: bool = False, lo: float | None = None):
@@ -91,6 +92,7 @@ class RandOptConfig(AlgorithmConfig):
 
         from ftis.tasks import TaskConfig
 
+        check_sampler_dtype_unused(run, self.kind, "scores its members greedily")
         steps = self.required_steps()
         if run.train.steps != steps:
             raise ValueError(
