@@ -169,3 +169,16 @@ def test_tokens_and_batch_layout_by_hand():
     assert bp.prompt_ids.tolist() == [[bos], [bos]]
     assert bp.completion_ids[0].tolist() == [*ids("1+2=3"), eos, pad]  # padded to "1+2=45"
     assert bp.completion_mask.sum(1).tolist() == [6, 7]
+
+
+def test_a_forgotten_borrow_is_a_subtraction_corruption():
+    """sub (issue 35): the `carry` mistake forgets every borrow; a difference without a
+    borrow has none to forget."""
+    import random
+
+    from ftis.preferences.embedded import corrupt
+    from ftis.tasks.reasoning import solution
+
+    wrong = corrupt("457-386=", solution("457-386="), "carry", random.Random(0), traced=True)
+    assert wrong == "7-6=1,5-8=7,4-3=1#171"
+    assert corrupt("77-35=", solution("77-35="), "carry", random.Random(0), traced=True) is None

@@ -35,6 +35,8 @@ def _digits(question: str) -> tuple[str, list[int]]:
         a, m = question[:-1].split("*")
         assert len(m) == 1
         return "mul", [len(a)]
+    if "-" in question:
+        return "sub", [len(x) for x in question[:-1].split("-")]
     return "add", [len(x) for x in question[:-1].split("+")]
 
 
@@ -217,6 +219,43 @@ class TestDistribution:
             assert max(digits) <= (4 if skill == "add" else 2)
         assert all(_digits(p.question) == ("mul", [3]) for p in task.split("mul+1"))
         assert all(len(_digits(p.question)[1]) == 3 for p in task.split("add3"))
+
+    def test_subtraction_traces_borrow_and_end_in_the_difference(self):
+        assert solution("457-386=") == "7-6=1,15-8=7,4-3-1=0#71"
+        assert solution("500-499=") == "10-9=1,10-9-1=0,5-4-1=0#1"
+        assert solution("91-19=") == "11-9=2,9-1-1=7#72"
+        assert solution("77-77=") == "7-7=0,7-7=0#0"
+        assert parse_question("457-386=") == ("sub", [457, 386])
+        for bad in ("3-4=", "100-99="):  # the larger first; the same number of digits
+            with pytest.raises(ValueError, match="not a reasoning question"):
+                parse_question(bad)
+        task = ReasoningTask(ReasoningTaskConfig(skills={"sub": 1.0}, min_digits=2, max_digits=4))
+        for p in task.split("train")[:N] + list(task.split("test")) + list(task.split("ood")):
+            text = solution(p.question)
+            skill, digits = _digits(p.question)
+            assert skill == "sub" and digits[0] == digits[1]
+            assert int(p.answer) == eval(p.question[:-1]) >= 0  # independent oracle
+            assert extract_answer(text) == p.answer and task.reward(p, text) == 1.0
+            assert len(text.split("#")[0].split(",")) == digits[0]  # one step per column
+            assert len(text) + 1 <= 64  # trace + EOS fit the generation budget used for mul
+
+    def test_three_skills_and_a_small_subtraction_space(self):
+        task = ReasoningTask(
+            ReasoningTaskConfig(
+                skills={"add": 1.0, "mul": 1.0, "sub": 1.0},
+                ood={"sub": {"skills": {"sub": 1.0}, "size": 64}},
+            )
+        )
+        kinds = {_digits(p.question)[0] for p in task.split("train")[:300]}
+        assert kinds == {"add", "mul", "sub"}
+        assert all(_digits(p.question)[0] == "sub" for p in task.split("sub"))
+        # 1-digit subtraction: 45 pairs a >= b; every held-out one is taken
+        heldout = [f"{a}-{b}=" for a in range(1, 10) for b in range(1, a + 1)]
+        heldout = [q for q in heldout if is_heldout(q)]
+        cfg = ReasoningTaskConfig(
+            skills={"sub": 1.0}, min_digits=1, max_digits=1, test_size=len(heldout), ood={}
+        )
+        assert sorted(p.question for p in ReasoningTask(cfg).split("test")) == sorted(heldout)
 
     def test_skill_weights_select_skills(self):
         task = ReasoningTask(ReasoningTaskConfig(skills={"add": 0.0, "mul": 1.0}))

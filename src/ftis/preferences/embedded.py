@@ -102,10 +102,18 @@ def corrupt(
         forgot = [
             ("+".join(str(d[k]) for d in digits), sum(d[k] for d in digits)) for k in range(width)
         ]
+    elif skill == "sub":  # every borrow forgotten: each column's digit difference, mod 10
+        forgot = [
+            (f"{digits[0][k]}-{digits[1][k]}", (digits[0][k] - digits[1][k]) % 10)
+            for k in range(width)
+        ]
     else:
         m = operands[1]
         forgot = [(f"{digits[0][k]}*{m}", digits[0][k] * m) for k in range(width)]
-    out = _join(forgot, _answer_from([v for _, v in forgot]))
+    answer = _answer_from([v for _, v in forgot])
+    if skill == "sub":  # a difference's answer drops its leading zeros (ftis.tasks.reasoning)
+        answer = str(int(answer))
+    out = _join(forgot, answer)
     return None if out == chosen else out
 
 

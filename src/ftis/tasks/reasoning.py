@@ -21,8 +21,15 @@ Skills (chosen per problem by the ``skills`` weights):
 
       347*6=     ->   7*6=42,4*6+4=28,3*6+2=20#2082
 
+- ``sub``: column subtraction of two ``d``-digit numbers, the larger first (a non-negative
+  result), right to left; a column that must borrow is written with its 10 added, and the next
+  column subtracts the borrowed 1 (``terms`` does not apply)::
+
+      457-386=   ->   7-6=1,15-8=7,4-3-1=0#71
+
 The answer is the last step's value followed by the last digit of every earlier step's value,
-last step first (here ``8``, ``4``, ``3``).
+last step first (here ``8``, ``4``, ``3``); for ``sub`` every step's value is one digit of the
+difference, and the answer drops the leading zeros (``071`` is ``71``).
 
 Completion format (what the verifier accepts), after stripping surrounding whitespace::
 
@@ -85,7 +92,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SKILLS = ("add", "mul")
+SKILLS = ("add", "mul", "sub")  # new skills go last: earlier configs draw as before
 MAX_DIGITS = 8
 ENUMERATE_LIMIT = 200_000  # spaces up to this many questions are enumerated exactly
 MUL_DIGITS = range(2, 10)  # the one-digit multiplier of "mul"
@@ -148,8 +155,9 @@ class ReasoningTaskConfig(TaskConfigBase):
     )
     skills: dict[str, float] = Field(
         default_factory=lambda: {"add": 1.0, "mul": 1.0},
-        description='Sampling weights over the skills "add" (column addition with carries) and '
-        '"mul" (digit-by-digit multiplication by one digit); need not sum to 1.',
+        description='Sampling weights over the skills "add" (column addition with carries), '
+        '"mul" (digit-by-digit multiplication by one digit) and "sub" (column subtraction with '
+        "borrows, the larger number first); need not sum to 1.",
     )
     min_digits: Digits = Field(
         default=2,
@@ -220,7 +228,12 @@ class _Space:
         n = 0
         for d in range(skill.min_digits, skill.max_digits + 1):
             per = 9 if d == 1 else 9 * 10 ** (d - 1)
-            n += per**self.terms if skill.name == "add" else per * len(MUL_DIGITS)
+            if skill.name == "add":
+                n += per**self.terms
+            elif skill.name == "sub":
+                n += per * (per + 1) // 2  # pairs a >= b
+            else:
+                n += per * len(MUL_DIGITS)
         return n
 
     @property
@@ -329,6 +342,16 @@ def _column_steps(operands: Sequence[int], op: str) -> list[tuple[str, int]]:
     width = len(str(operands[0]))
     cols = [_digits(x, width) for x in operands]
     steps, carry = [], 0
+    if op == "-":  # a - b, a >= b: borrow where a column's digit (less a borrow) is too small
+        borrow = 0
+        for k in range(width):
+            a, b = cols[0][k], cols[1][k]
+            out = 1 if a - borrow < b else 0
+            top = a + 10 * out
+            text = f"{top}-{b}" + ("-1" if borrow else "")
+            steps.append((text, top - b - borrow))
+            borrow = out
+        return steps
     for k in range(width):
         if op == "+":
             terms = [c[k] for c in cols]
@@ -348,21 +371,31 @@ def _answer_from(values: Sequence[int]) -> str:
 
 
 def parse_question(question: str) -> tuple[str, list[int]]:
-    """('add' | 'mul', operands) of a question such as '457+386=' or '347*6='."""
-    m = re.fullmatch(r"(\d+(?:\+\d+)+)=|(\d+)\*(\d)=", question)
+    """('add' | 'mul' | 'sub', operands) of a question such as '457+386=', '347*6=' or
+    '457-386='."""
+    m = re.fullmatch(r"(\d+(?:\+\d+)+)=|(\d+)\*(\d)=|(\d+)-(\d+)=", question)
     if m is None:
         raise ValueError(f"not a reasoning question: {question!r}")
     if m.group(1) is not None:
         return "add", [int(x) for x in m.group(1).split("+")]
-    return "mul", [int(m.group(2)), int(m.group(3))]
+    if m.group(2) is not None:
+        return "mul", [int(m.group(2)), int(m.group(3))]
+    a, b = int(m.group(4)), int(m.group(5))
+    if a < b or len(m.group(4)) != len(m.group(5)):  # the larger first, same digit count
+        raise ValueError(f"not a reasoning question: {question!r}")
+    return "sub", [a, b]
+
+
+_OPS = {"add": "+", "mul": "*", "sub": "-"}
 
 
 def solution(question: str) -> str:
     """The reference completion (trace, '#', answer) of a question, without EOS."""
     skill, operands = parse_question(question)
-    steps = _column_steps(operands, "+" if skill == "add" else "*")
+    steps = _column_steps(operands, _OPS[skill])
     trace = ",".join(f"{text}={value}" for text, value in steps)
-    return f"{trace}#{_answer_from([v for _, v in steps])}"
+    answer = _answer_from([v for _, v in steps])
+    return f"{trace}#{int(answer) if skill == 'sub' else answer}"
 
 
 def extract_answer(completion: str) -> str | None:
@@ -372,11 +405,15 @@ def extract_answer(completion: str) -> str | None:
 
 
 def _value(skill: str, operands: Sequence[int]) -> int:
-    return sum(operands) if skill == "add" else operands[0] * operands[1]
+    if skill == "add":
+        return sum(operands)
+    if skill == "sub":
+        return operands[0] - operands[1]
+    return operands[0] * operands[1]
 
 
 def _format(skill: str, operands: Sequence[int]) -> str:
-    return ("+" if skill == "add" else "*").join(str(x) for x in operands) + "="
+    return _OPS[skill].join(str(x) for x in operands) + "="
 
 
 # ------------------------------------------------------------------------------------ generation
@@ -396,6 +433,8 @@ def _draw(space: _Space, seed: int, stream: str, i: int, attempt: int) -> tuple[
     lo, hi = (1 if d == 1 else 10 ** (d - 1)), 10**d - 1
     if skill.name == "add":
         operands = [rng.randint(lo, hi) for _ in range(space.terms)]
+    elif skill.name == "sub":
+        operands = sorted((rng.randint(lo, hi), rng.randint(lo, hi)), reverse=True)
     else:
         operands = [rng.randint(lo, hi), rng.choice(MUL_DIGITS)]
     return _format(skill.name, operands), _value(skill.name, operands)
@@ -418,6 +457,8 @@ def _enumerate_heldout(
         numbers = range(1 if d == 1 else 10 ** (d - 1), 10**d)
         if skill == "add":
             combos: Iterator[tuple[int, ...]] = itertools.product(numbers, repeat=terms)
+        elif skill == "sub":
+            combos = ((a, b) for a in numbers for b in numbers if a >= b)
         else:
             combos = itertools.product(numbers, MUL_DIGITS)
         for operands in combos:
