@@ -286,6 +286,24 @@ def _untimed(path: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(_TIMING)} for r in rows]
 
 
+def _tiny_study(tmp_path: Path, arms: dict, *, seeds: list[int]) -> Path:
+    """A population-kind arms study of 2-step llama-xs runs (tiny.yaml), written to tmp_path."""
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(tiny_run_config(steps=2)))
+    spec = {
+        "kind": "arms",
+        "name": "tiny",
+        "report": str(tmp_path / "tiny.md"),
+        "results": "population",
+        "seeds": seeds,
+        "set": ["train.seed={seed}", "nodes.0.warm_start.steps=10", "eval.pass_samples=0"],
+        "options": {"base_series": "gd"},
+        "arms": arms,
+    }
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
 def test_sweep_jobs_runs_at_the_same_time_with_the_same_results(tmp_path, monkeypatch):
     """`ftis sweep --jobs 2`: two runs in processes of their own, overlapping in time, with rows
     identical to `--jobs 1`'s (timings aside), one thread per node either way."""
@@ -294,19 +312,7 @@ def test_sweep_jobs_runs_at_the_same_time_with_the_same_results(tmp_path, monkey
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(tiny_run_config(steps=2)))
-    spec = {
-        "kind": "arms",
-        "name": "tiny",
-        "report": str(tmp_path / "tiny.md"),
-        "results": "population",
-        "seeds": [0, 1],
-        "set": ["train.seed={seed}", "nodes.0.warm_start.steps=10", "eval.pass_samples=0"],
-        "options": {"base_series": "gd"},
-        "arms": {"gd": {"config": "tiny.yaml"}},
-    }
-    path = tmp_path / "study.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    path = _tiny_study(tmp_path, {"gd": {"config": "tiny.yaml"}}, seeds=[0, 1])
     try:
         for jobs in (2, 1):
             out = tmp_path / f"jobs{jobs}"
@@ -331,22 +337,11 @@ def test_a_run_whose_process_dies_fails_alone_under_jobs(tmp_path, monkeypatch):
     """--jobs 2: one run's process exits hard mid-run (testing.crash_at_step); that run is
     recorded as failed with its exit code, the other completes, the sweep exits 1."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(tiny_run_config(steps=2)))
-    spec = {
-        "kind": "arms",
-        "name": "tiny",
-        "report": str(tmp_path / "tiny.md"),
-        "results": "population",
-        "seeds": [0],
-        "set": ["nodes.0.warm_start.steps=10", "eval.pass_samples=0"],
-        "options": {"base_series": "gd"},
-        "arms": {
-            "gd": {"config": "tiny.yaml"},
-            "crash": {"config": "tiny.yaml", "set": ["testing.crash_at_step={xs: 1}"]},
-        },
+    arms = {
+        "gd": {"config": "tiny.yaml"},
+        "crash": {"config": "tiny.yaml", "set": ["testing.crash_at_step={xs: 1}"]},
     }
-    path = tmp_path / "study.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    path = _tiny_study(tmp_path, arms, seeds=[0])
     out = tmp_path / "out"
     res = CliRunner().invoke(app, ["sweep", str(path), "--out", str(out), "--jobs", "2"])
     assert res.exit_code == 1, res.output

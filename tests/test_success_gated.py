@@ -17,21 +17,9 @@ from typer.testing import CliRunner
 from ftis.algos.ftis.hacpo import Capabilities, joint_advantages
 from ftis.cli import app
 from ftis.config import RunConfig
-from ftis.rollout.types import RolloutBatch
 from ftis.train import scoring
 from tests.conftest import tiny_run_config
-
-
-def _batch(prompt, gen):
-    n = len(prompt)
-    return RolloutBatch(
-        prompt_index=torch.tensor(prompt),
-        generator=torch.tensor(gen),
-        completion_ids=torch.ones(n, 1, dtype=torch.long),
-        lengths=torch.ones(n, dtype=torch.long),
-        sampler_logprobs=torch.zeros(n, 1),
-    )
-
+from tests.test_hacpo_config import _batch
 
 # Two prompts, G = 3, learner 0 and peer 1. Peer rewards: prompt 4 [1, 0, 0], prompt 9 [0, 0, 0].
 PROMPTS = [4, 4, 4, 4, 4, 4, 9, 9, 9, 9, 9, 9]

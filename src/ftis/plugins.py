@@ -70,11 +70,16 @@ Serve = Callable[["ServiceContext"], None]
 Launcher = Callable[..., Any]
 
 
-def _resolve(target: str | Callable) -> Callable:
+def resolve(target: str | Callable) -> Callable:
+    """A "module:attr" string imported now (registrations name targets that way so that reading
+    a config imports no model code), or the callable itself."""
     if isinstance(target, str):
         module, _, attr = target.partition(":")
         return getattr(importlib.import_module(module), attr)
     return target
+
+
+_resolve = resolve
 
 
 @dataclass(frozen=True)

@@ -586,6 +586,17 @@ def policy_loss(
     denominator = _loss_denominator(num_local, filtered, filter_mode, num_sequences, dtype=lp.dtype)
     peer_rows = None if own is None else ~own.to(lp.device)
 
+    def shared_metrics(loss: Tensor, clipped: Tensor | None) -> dict[str, Tensor]:
+        return _metrics(
+            loss=loss,
+            log_ratio=log_ratio,
+            mask=mask,
+            filtered=filtered,
+            divergence=divergence,
+            clipped=clipped,
+            is_cap=is_cap,
+        )
+
     spec = LOSS_TERMS[term_name]
     if spec.level == "sequence":
         out = spec.fn(
@@ -606,15 +617,7 @@ def policy_loss(
         # an empty completion has no token to move: it contributes 0, as under the token terms
         per_seq = torch.where(mask.any(dim=1), out.per_sequence, torch.zeros_like(adv))
         loss = per_seq.sum() / denominator
-        metrics = _metrics(
-            loss=loss,
-            log_ratio=log_ratio,
-            mask=mask,
-            filtered=filtered,
-            divergence=divergence,
-            clipped=None,
-            is_cap=is_cap,
-        )
+        metrics = shared_metrics(loss, None)
         with torch.no_grad():  # the sequence terms' clip_frac counts sequences, not tokens
             metrics["clip_frac"] = _safe_mean(out.clipped, torch.ones_like(out.clipped))
         return loss, {**metrics, **out.metrics}
@@ -637,16 +640,7 @@ def policy_loss(
         shaped = -luffy_weight(lp, shaping_gamma) * adv[:, None]
         per_token = torch.where(own.to(lp.device)[:, None], per_token, shaped)
     loss = _aggregate(per_token, mask) / denominator
-
-    metrics = _metrics(
-        loss=loss,
-        log_ratio=log_ratio,
-        mask=mask,
-        filtered=filtered,
-        divergence=divergence,
-        clipped=term.clipped,
-        is_cap=is_cap,
-    )
+    metrics = shared_metrics(loss, term.clipped)
     return loss, metrics
 
 

@@ -22,19 +22,18 @@ that ftis.algos can register into it; the study package itself never imports an 
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from ftis.plugins import resolve as _resolve
 
 Target = str | Callable[..., Any]
 
 
 def resolve(target: Target) -> Callable[..., Any]:
-    if isinstance(target, str):
-        module, _, attr = target.partition(":")
-        return getattr(importlib.import_module(module), attr)
-    return target
+    """A "module:attr" target imported now, or the callable itself (ftis.plugins.resolve)."""
+    return _resolve(target)
 
 
 @dataclass(frozen=True)
