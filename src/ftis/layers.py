@@ -152,6 +152,8 @@ def _systems() -> list[tuple[str, str]]:
     load_plugins()
     folders: dict[str, list[str]] = {}
     for kind, spec in ALGORITHMS.items():
+        if not spec.config.__module__.startswith("ftis."):
+            continue  # a plugin's (or a test's) kind: not part of the package's picture
         where = [spec.config.__module__]
         where += [t.partition(":")[0] for t in (spec.factory, spec.launcher) if isinstance(t, str)]
         folder = next(
