@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 
 from bench.common import cpu_bf16_units, cpu_model, median
+from ftis.study.runner import code_version
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "results" / "bf16-sampler"
@@ -142,11 +142,8 @@ def measure(quick: bool) -> dict:
                     "ftis_bf16_vs_generate_bf16": med["ftis bf16"] / med["generate bf16"],
                 }
             )
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
     return {
-        "commit": commit,
+        "commit": code_version(),  # the checkout, "+dirty" when src/ has uncommitted edits
         "torch": torch.__version__,
         "cpu": cpu_model(),
         "bf16_units": cpu_bf16_units(),

@@ -783,6 +783,14 @@ def export(
 
 
 @app.command()
+def layers() -> None:
+    """Draw the package's layers and where each system lives (docs/design.md opens with it)."""
+    from ftis.layers import diagram
+
+    _stdout().out(diagram(), end="")
+
+
+@app.command()
 def presets() -> None:
     """List the tiny built-in model presets."""
     from ftis.models.loading import ModelConfig, build_model, count_parameters

@@ -8,7 +8,7 @@ the registries live in the foundation (`ftis.plugins`, `ftis.tasks`' register_ta
 `ftis.study.registry`), and `ftis.plugins.load_plugins` loads the systems by name, as it loads
 any plugin.
 
-    python -m ftis.layers        # the picture at the top of docs/design.md, from the code
+    ftis layers        # the picture at the top of docs/design.md, from the code
 """
 
 from __future__ import annotations
@@ -195,7 +195,3 @@ def _wrap(text: str, width: int) -> list[str]:
         else:
             line = f"{line} {word}".strip()
     return [*out, line] if line else out
-
-
-if __name__ == "__main__":
-    print(diagram(), end="")

@@ -79,9 +79,6 @@ def resolve(target: str | Callable) -> Callable:
     return target
 
 
-_resolve = resolve
-
-
 @dataclass(frozen=True)
 class AlgorithmSpec:
     """A registered algorithm: its config class, the factory of its per-node object, (for
@@ -100,7 +97,7 @@ class AlgorithmSpec:
 
     def build(self, ctx: NodeContext) -> Algorithm:
         """The algorithm for the node that `ctx` describes."""
-        return _resolve(self.factory)(ctx)
+        return resolve(self.factory)(ctx)
 
     def serve(self, ctx: ServiceContext) -> None:
         """Run service rank `ctx.rank` (e.g. a server) to the end of the run."""
@@ -108,17 +105,17 @@ class AlgorithmSpec:
             raise ValueError(
                 f"algorithm {self.kind!r} declares service ranks but registered no service"
             )
-        _resolve(self.service)(ctx)
+        resolve(self.service)(ctx)
 
     def launch(self, cfg: Any, run_dir: Any, **kwargs: Any) -> Any:
         """Run `cfg` with this algorithm's own launcher (`launcher` must be set)."""
         if self.launcher is None:
             raise ValueError(f"algorithm {self.kind!r} registered no launcher")
-        return _resolve(self.launcher)(cfg, run_dir, **kwargs)
+        return resolve(self.launcher)(cfg, run_dir, **kwargs)
 
     def report_section(self, rows: list[dict], run_dir: Any) -> list[str]:
         """This algorithm's own lines for report.md (none unless it registered a report)."""
-        return [] if self.report is None else list(_resolve(self.report)(rows, run_dir))
+        return [] if self.report is None else list(resolve(self.report)(rows, run_dir))
 
 
 def check_one_shared_model(run: Any, why: str) -> None:
