@@ -142,6 +142,18 @@ def test_build_writes_entries_the_lookup_finds(tmp_path, monkeypatch):
     assert entry.info["built_with"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert set(entry.files) >= {"config.json", "model.safetensors", "tokenizer.json"}
 
+    # Built again from another config: the shipped bits stay, the new user is recorded.
+    weights = entry.path / "model.safetensors"
+    before = weights.read_bytes()
+    _no_training(monkeypatch)
+    assert build({key: WarmStartUse(MODEL, WS, TASK, {"b.yaml"})}, out=out) == []
+    (entry,) = shipped_bases(out)
+    assert entry.info["used_by"] == ["a.yaml", "b.yaml"] and weights.read_bytes() == before
+    # A damaged copy is not kept: it is built again (here from the local cache, no training).
+    weights.write_bytes(before[:-1])
+    assert build({key: WarmStartUse(MODEL, WS, TASK, {"b.yaml"})}, out=out) == [f"llama-xs-{key}"]
+    verify(shipped_bases(out)[0])
+
 
 def test_every_committed_warm_start_is_shipped_and_intact():
     """The embedded default, configs/ and studies/: a config whose warm start changes (or a new

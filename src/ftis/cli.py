@@ -598,6 +598,12 @@ def basemodels_build(
         Path | None,
         typer.Option(help="Directory of the manifest and entries (default: the package's)."),
     ] = None,
+    rebuild: Annotated[
+        bool,
+        typer.Option(
+            help="Train again the entries already shipped and intact (default: keep their bits)."
+        ),
+    ] = False,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
     """Train the warm starts the given configs use (on this machine, reusing the local cache's
@@ -619,7 +625,7 @@ def basemodels_build(
         if step == total or step % 100 == 0:
             console.print(f"{name}: step {step}/{total}, loss {loss:.3f}", highlight=False)
 
-    built = build(uses, out=out or ROOT, only=only, progress=progress)
+    built = build(uses, out=out or ROOT, only=only, rebuild=rebuild, progress=progress)
     console.print(f"built {len(built)} base model(s) into {out or ROOT}: {', '.join(built)}")
 
 

@@ -102,13 +102,19 @@ def build(
     *,
     out: Path = ROOT,
     only: str | None = None,
+    rebuild: bool = False,
     progress: Callable[[str, int, int, float], None] | None = None,
 ) -> list[str]:
     """Train (or take from the local cache) each warm start, copy it under `out` and record it in
-    `out`/manifest.json; returns the names built. `only`: a glob on the entry names."""
+    `out`/manifest.json; returns the names built. `only`: a glob on the entry names.
+
+    An entry already shipped and intact keeps its bits (training is not bit-reproducible across
+    thread counts and CPUs, and runs were committed against those bits); only its `used_by` list
+    gains the new sources. `rebuild=True` trains it again."""
     import torch
     import transformers
 
+    from ftis.basemodels import ShippedBase, ShippedBaseError, verify
     from ftis.warmstart import WARMSTART_VERSION, entry_name, warm_start
 
     manifest = read_manifest(out)
@@ -118,6 +124,17 @@ def build(
         name = entry_name(use.model, key)
         if only and not fnmatch.fnmatchcase(name, only):
             continue
+        old = entries.get(name)
+        if old is not None and not rebuild:
+            shipped = ShippedBase(name=name, key=old["key"], files=dict(old["files"]), info=old, root=out)
+            try:
+                verify(shipped)
+            except ShippedBaseError as e:
+                log.info("base %s: rebuilding, the shipped copy is not intact (%s)", name, e)
+            else:
+                old["used_by"] = sorted(set(old.get("used_by", [])) | use.sources)
+                log.info("base %s: already shipped and intact, kept", name)
+                continue
         log.info("base %s: warm start used by %s", name, ", ".join(sorted(use.sources)))
 
         def step(i: int, n: int, loss: float, name: str = name) -> None:
