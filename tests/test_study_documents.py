@@ -49,3 +49,24 @@ def test_a_document_prints_the_runs_folder_its_study_reads(path):
     for named, printed_out in COMMAND_OUT.findall(text):
         if named == study_rel:
             assert printed_out == out, f"{report} prints --out {printed_out}"
+
+
+DOCUMENTS = sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "docs" / "results").glob("*.md"))
+COUNT_LINE = re.compile(r"(?:\d+|None) of the (\d+) intervals? exclude")
+TYPED_COUNT = re.compile(r"(\d[\d,]*)\s+intervals\b")
+
+
+@pytest.mark.parametrize("path", DOCUMENTS, ids=lambda p: p.name)
+def test_a_reading_counts_the_intervals_its_renderer_counted(path):
+    """A hand-written reading that says how many intervals its document holds ("with 55
+    intervals in that section") says the number the renderer printed under the table ("31 of
+    the 55 intervals exclude zero"), not one typed from memory (issue 39, item 5: population.md
+    said 54)."""
+    text = path.read_text()
+    begin = text.find("<!-- BEGIN hand-written reading")
+    counts = {int(n) for n in COUNT_LINE.findall(text)}
+    if begin < 0 or len(counts) != 1:
+        return
+    (count,) = counts
+    typed = [int(n.replace(",", "")) for n in TYPED_COUNT.findall(text[begin:])]
+    assert all(n == count for n in typed), f"{path.name}: reading says {typed}, table {count}"

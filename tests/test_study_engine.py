@@ -178,6 +178,37 @@ def test_uncommitted_studies_or_configs_mark_the_code_dirty(tmp_path):
     assert code_version(tmp_path / "not-a-checkout") is None
 
 
+def test_the_code_line_names_the_arms_each_code_version_made():
+    """One code version: the counts only. Several: also which arms each made, an arm whose runs
+    span versions named under each with its share (issue 39, item 5: dpo.md's arms came from two
+    commits and the document did not say which)."""
+    from types import SimpleNamespace as R
+
+    from ftis.study.document import code_line
+
+    def runs(*pairs):
+        return [R(arm=a, code=c) for a, c in pairs]
+
+    one = runs(("a", "c1"), ("b", "c1"))
+    assert code_line(one, arm=lambda r: r.arm) == "Code the runs were made with: `c1` (2 runs)."
+    mixed = runs(
+        ("alone", "old"),
+        ("alone", "old"),
+        ("fed", "new"),
+        ("fed", "new"),
+        ("fed", "new"),
+        ("alone", "new"),
+    )
+    line = code_line(mixed, arm=lambda r: r.arm)
+    assert line.startswith("Code the runs were made with: `new` (4 runs), `old` (2 runs). ")
+    assert "2 code versions" in line
+    assert line.endswith(
+        "Arms by version: `new`: alone (1 of 3 runs), fed; `old`: alone (2 of 3 runs)."
+    )
+    assert code_line(mixed) == "Code the runs were made with: `new` (4 runs), `old` (2 runs)."
+    assert code_line(runs(("a", "c1"), ("b", None))).endswith("(1 run).")
+
+
 def test_an_unregistered_renderer_or_kind_is_refused_with_the_registered_names(tmp_path):
     runner = CliRunner()
     path = _study(tmp_path, results="nope")

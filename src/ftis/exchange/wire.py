@@ -298,8 +298,10 @@ def encode_rollouts(
 
     Args:
         batch: the sender's batch (any device; read on the CPU).
-        logprob_format: "f32" (default: bit-exact, exponent-class + mantissa coded, about
-            3.5-4.6 B/token for the 102-symbol vocabulary, 5.6-5.8 for 151936), "qK" for K in 8..24 (fixed-point -log p, max abs error 2**-(K-4) nats), or
+        logprob_format: "f32" (default: bit-exact, exponent-class + mantissa coded, measured
+            4.5-4.6 B/token for the 102-symbol vocabulary, 5.8-6.0 for 151936: docs/wire-format.md,
+            docs/BENCHMARKS.md), "qK" for K in 8..24 (fixed-point -log p, max abs error
+            2**-(K-4) nats), or
             "compact" (the most precise qK fitting 4 B/token, see `resolve_logprob_format`).
         vocab_size: the shared tokenizer's vocabulary size, recorded in the header; every token id
             must be below it. Default: max id + 1 (the smallest bound that fits this batch).

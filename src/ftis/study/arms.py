@@ -241,7 +241,7 @@ def document_head(
         "",
         spec.description.strip(),
         "",
-        code_line(results),
+        code_line(results, arm=lambda r: r.run.arm),
         "",
     ]
     inv = invocations_line(out_dir)

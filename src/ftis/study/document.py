@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -148,16 +148,49 @@ class Differences:
         )
 
 
-def code_line(results: list[Any]) -> str:
-    """Which code made the runs (`ftis` version + git commit, recorded by `ftis sweep`)."""
+UNRECORDED_CODE = "unrecorded (runs made before ftis recorded its version)"
+
+
+def _runs(n: int) -> str:
+    return f"{n} run" if n == 1 else f"{n} runs"
+
+
+def code_line(results: list[Any], arm: Callable[[Any], str] | None = None) -> str:
+    """Which code made the runs (`ftis` version + git commit, recorded by `ftis sweep`). With
+    `arm` (a run's arm) and runs from more than one code version, also which arms each version
+    made, so that a comparison across versions is visible as one: an arm whose runs span
+    versions is named under each with its share of runs."""
     counts: dict[str, int] = {}
     for r in results:
-        key = r.code or "unrecorded (runs made before ftis recorded its version)"
+        key = r.code or UNRECORDED_CODE
         counts[key] = counts.get(key, 0) + 1
     if not counts:
         return "Code: no complete run yet."
-    parts = [f"`{c}` ({n} runs)" for c, n in sorted(counts.items(), key=lambda kv: -kv[1])]
-    return "Code the runs were made with: " + ", ".join(parts) + "."
+    order = [c for c, _ in sorted(counts.items(), key=lambda kv: -kv[1])]
+    parts = [f"`{c}` ({_runs(counts[c])})" for c in order]
+    line = "Code the runs were made with: " + ", ".join(parts) + "."
+    if arm is None or len(counts) < 2:
+        return line
+    per_arm: dict[str, dict[str, int]] = {}  # arm -> code -> runs, in the results' arm order
+    for r in results:
+        by_code = per_arm.setdefault(arm(r), {})
+        key = r.code or UNRECORDED_CODE
+        by_code[key] = by_code.get(key, 0) + 1
+    groups = []
+    for c in order:
+        names = []
+        for a, by_code in per_arm.items():
+            if c in by_code:
+                total = sum(by_code.values())
+                names.append(a if by_code[c] == total else f"{a} ({by_code[c]} of {total} runs)")
+        groups.append(f"`{c}`: " + ", ".join(names))
+    return (
+        line
+        + f" The runs come from {len(counts)} code versions, so a comparison between runs made "
+        "with different versions also compares the code. Arms by version: "
+        + "; ".join(groups)
+        + "."
+    )
 
 
 def rel(path: Path) -> str:

@@ -419,6 +419,12 @@ class CollabResult:
     nodes: tuple[NodeRun, ...]
 
 
+def _arm_of(r: CollabResult) -> str:
+    """A run's arm: its id without the seed (`expertise-f-tis-j-s0` -> `expertise-f-tis-j`)."""
+    suffix = f"-s{r.nodes[0].seed}" if r.nodes else ""
+    return r.id[: -len(suffix)] if suffix and r.id.endswith(suffix) else r.id
+
+
 def collect(study: Any, out_dir: Path) -> tuple[list[CollabResult], list[str]]:
     """The study's complete runs, each with its node runs, and the ids of the others."""
     results: list[CollabResult] = []
@@ -521,7 +527,7 @@ def render(
         f"Run directories: `{rel(out_dir)}/<run-id>/`. Seeds: "
         + ", ".join(map(str, sorted({n.seed for r in results for n in r.nodes}) or spec.seeds))
         + ". "
-        + code_line(results),
+        + code_line(results, arm=_arm_of),
         "",
     ]
     inv = invocations_line(out_dir)
