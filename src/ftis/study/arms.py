@@ -31,10 +31,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ftis.config import ConfigError, RunConfig, format_validation_error, load_config
-from ftis.study.document import code_line, invocations_line, reading_lines, rel, table
+from ftis.study import tables
+from ftis.study.document import reading_lines
 from ftis.study.registry import get_study_renderer
 from ftis.study.runner import complete_runs, plan
 from ftis.study.spec import _ID, RunSpec, Study, StudyError
+from ftis.study.tables import code_line, invocations_line, rel, seconds_cell, table
 from ftis.train.metrics import read_metrics
 
 KIND = "arms"
@@ -213,12 +215,12 @@ def runs_table(results: list[ArmResult], out_dir: Path) -> list[str]:
             r.run.id,
             r.run.arm,  # type: ignore[attr-defined]
             str(r.run.seed),
-            "-" if r.seconds is None else f"{r.seconds:.0f}",
+            seconds_cell(r.seconds),
             r.code or "-",
         ]
         for r in results
     ]
-    return [f"Runs in `{rel(out_dir)}`:", "", *table(["run", "arm", "seed", "s", "code"], rows)]
+    return tables.runs_table(out_dir, ["run", "arm", "seed", "s", "code"], rows)
 
 
 def document_head(

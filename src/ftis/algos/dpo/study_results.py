@@ -16,9 +16,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from ftis.study.arms import ArmResult, document_head, document_tail, image, save_figure
-from ftis.study.document import DIFFERENCES_NOTE, Differences, fmt_pct, mean_std
-from ftis.study.document import table as _table
 from ftis.study.spec import Study
+from ftis.study.tables import DIFFERENCES_NOTE, Differences, fmt_pct, mean_std, spread
+from ftis.study.tables import table as _table
 
 PREF = "eval/preference_accuracy"
 EVAL_LOSS = "eval/dpo_loss"
@@ -67,13 +67,6 @@ def _runs(results: list[ArmResult], arm: str) -> list[ArmResult]:
     return [r for r in results if r.run.arm == arm]  # type: ignore[attr-defined]
 
 
-def _num(values: list[float], digits: int = 3) -> str:
-    if not values:
-        return "-"
-    m, s = mean_std(values)
-    return f"{m:.{digits}f} ± {s:.{digits}f}"
-
-
 def _vals(runs: list[ArmResult], fn) -> list[float]:
     return [v for r in runs for v in [fn(r)] if v is not None]
 
@@ -100,9 +93,9 @@ def main_table(study: Study, results: list[ArmResult]) -> list[str]:
                 arm.label or key,
                 fmt_pct(_vals(runs, lambda r: _start(per_round(r, PREF)))),
                 fmt_pct([v for c in pref for v in [_final(c)] if v is not None]),
-                _num(_vals(runs, lambda r: _final(per_round(r, EVAL_LOSS)))),
-                _num(_vals(runs, lambda r: _last_mean(train_loss(r)))),
-                _num(_vals(runs, lambda r: _last_std(train_loss(r)))),
+                spread(_vals(runs, lambda r: _final(per_round(r, EVAL_LOSS))), 3),
+                spread(_vals(runs, lambda r: _last_mean(train_loss(r))), 3),
+                spread(_vals(runs, lambda r: _last_std(train_loss(r))), 3),
                 fmt_pct(_vals(runs, lambda r: _start(per_round(r, TASK))))
                 + " -> "
                 + fmt_pct(_vals(runs, lambda r: _final(per_round(r, TASK)))),
@@ -240,10 +233,10 @@ def gossip_table(study: Study, results: list[ArmResult]) -> list[str]:
                 "-" if gap is None else f"{gap:.3f}",
                 _sci(before),
                 _sci(after),
-                _num(ratio),
+                spread(ratio, 3),
                 "-" if rho is None else f"{rho * rho:.3f}",
                 fmt_pct(_vals(runs, lambda r: _final(per_round(r, PREF)))),
-                _num(_vals(runs, lambda r: _final(per_round(r, EVAL_LOSS)))),
+                spread(_vals(runs, lambda r: _final(per_round(r, EVAL_LOSS))), 3),
             ]
         )
     if not rows:
@@ -292,10 +285,10 @@ def fed_table(study: Study, results: list[ArmResult]) -> list[str]:
                 f"{s} of {n}",
                 str(getattr(a, "max_staleness", 0)),
                 str(getattr(a, "staleness", "-")),
-                _num(stale, 2),
+                spread(stale, 2),
                 fmt_pct(_vals(runs, lambda r: _final(per_round(r, PREF)))),
-                _num(_vals(runs, lambda r: _final(per_round(r, EVAL_LOSS)))),
-                _num(_vals(runs, lambda r: _last_std(train_loss(r)))),
+                spread(_vals(runs, lambda r: _final(per_round(r, EVAL_LOSS))), 3),
+                spread(_vals(runs, lambda r: _last_std(train_loss(r))), 3),
             ]
         )
     if not rows:

@@ -19,17 +19,19 @@ from typing import Any
 
 from ftis.algos.fgrpo.study import CLIENT_EVAL, FGRPORun, FGRPOStudy, run_state
 from ftis.models.real import model_label
-from ftis.study.document import (
+from ftis.study.document import partial_lines, reading_lines
+from ftis.study.runner import RUN_META
+from ftis.study.tables import (
     DIFFERENCES_NOTE,
     Differences,
+    code_line,
     fmt_pct,
-    mean_std,
-    partial_lines,
-    reading_lines,
+    invocations_line,
+    regenerate_lines,
+    spread,
 )
-from ftis.study.document import rel as _rel
-from ftis.study.document import table as _table
-from ftis.study.runner import RUN_META, STUDY_LOG
+from ftis.study.tables import rel as _rel
+from ftis.study.tables import table as _table
 from ftis.train.metrics import read_metrics
 
 MEAN = "mean over clients"
@@ -160,21 +162,6 @@ def stability(acc: dict[int, float], *, last: int, drop: float) -> Stability:
         drops=sum(1 for f in falls if f > drop + 1e-12),
         worst_drop=max([0.0, *falls]),
     )
-
-
-def _pp(values: list[float], digits: int = 1) -> str:
-    """Mean ± sample std of fractions, in percentage points."""
-    if not values:
-        return "-"
-    m, s = mean_std([100 * v for v in values])
-    return f"{m:.{digits}f} ± {s:.{digits}f}"
-
-
-def _num(values: list[float]) -> str:
-    if not values:
-        return "-"
-    m, s = mean_std(values)
-    return f"{m:.1f} ± {s:.1f}"
 
 
 # ------------------------------------------------------------------------------------ plots
@@ -491,19 +478,19 @@ def _stability_tables(study: FGRPOStudy, results: list[RunData]) -> list[str]:
             f"Std of accuracy over the last {st.last} evaluated rounds (percentage points; "
             "population std of each curve's tail, then mean ± std over seeds):",
             lambda s: 100 * s.last_std,
-            _num,
+            spread,
         ),
         (
             f"Drops: evaluated rounds where accuracy fell by more than {100 * st.drop:g} points "
             "since the previous evaluation (count per run, mean ± std over seeds):",
             lambda s: float(s.drops),
-            _num,
+            spread,
         ),
         (
             "Largest fall between consecutive evaluations (percentage points, mean ± std over "
             "seeds):",
             lambda s: 100 * s.worst_drop,
-            _num,
+            spread,
         ),
     ]
     for title, value, fmt in specs:
@@ -526,7 +513,7 @@ def _weights_table(study: FGRPOStudy, results: list[RunData]) -> list[str]:
         if not mine:
             continue
         cells = [
-            _num([100 * statistics.fmean(r.weights[c]) for r in mine if r.weights.get(c)])
+            spread([100 * statistics.fmean(r.weights[c]) for r in mine if r.weights.get(c)])
             for c in clients
         ]
         rej = sum(r.rejected for r in mine)
@@ -554,33 +541,13 @@ def _runs_table(study: FGRPOStudy, results: list[RunData], out_dir: Path) -> lis
             ]
         )
     L = _table(["arm", "runs complete", "mean s per run", "total min"], rows)
-    codes: dict[str, int] = {}
-    for r in results:
-        key = r.code or "unrecorded"
-        codes[key] = codes.get(key, 0) + 1
     L += [
         "",
-        "Code the runs were made with: "
-        + (", ".join(f"`{c}` ({n} runs)" for c, n in sorted(codes.items())) or "no run yet")
-        + ". "
-        + _invocations(out_dir),
+        code_line(results, arm=lambda r: study.label(r.run.arm))
+        + " "
+        + invocations_line(out_dir, codes=False),
     ]
     return L
-
-
-def _invocations(out_dir: Path) -> str:
-    try:
-        inv = json.loads((out_dir / STUDY_LOG).read_text())["invocations"]
-    except (OSError, ValueError, KeyError):
-        return ""
-    ran = [i for i in inv if i.get("executed")]
-    if not ran:
-        return ""
-    total = sum(i["seconds"] for i in ran)
-    return (
-        f"`ftis sweep` wall time over {len(ran)} invocation(s) that ran something: "
-        f"{total / 60:.1f} min."
-    )
 
 
 def render(
@@ -604,20 +571,10 @@ def render(
     if study.spec.description:
         L += [study.spec.description.strip(), ""]
     seeds = sorted({r.run.seed for r in results})
+    L += regenerate_lines(
+        rel, out_dir, "Seeds (`train.seed`): " + (", ".join(map(str, seeds)) or "none yet") + "."
+    )
     L += [
-        "## How to regenerate",
-        "",
-        "```bash",
-        f"ftis sweep {rel}                 # run every missing run, then rewrite this file",
-        f"ftis sweep {rel} --report-only   # rewrite this file from the existing run directories",
-        f"ftis sweep {rel} --dry-run       # list the runs and which are done",
-        "```",
-        "",
-        f"Run directories: `{_rel(out_dir)}/<run-id>/` (ordinary `ftis run` directories; "
-        "`ftis report DIR` draws one run). Seeds (`train.seed`): "
-        + (", ".join(map(str, seeds)) or "none yet")
-        + ".",
-        "",
         "## Setup",
         "",
         *(_setup(study) if study.runs else []),

@@ -24,11 +24,12 @@ from typing import Any
 import numpy as np
 
 from ftis.models.real import model_label
-from ftis.study.document import code_line, invocations_line, reading_lines, rel
-from ftis.study.document import fmt_pct as _pct
-from ftis.study.document import table as _table
+from ftis.study.document import reading_lines
 from ftis.study.runner import complete_runs
 from ftis.study.stats import PairedDifference, at_equal_tokens, paired_difference, read_evals
+from ftis.study.tables import code_line, interval_cell, invocations_line, rel, seconds_cell
+from ftis.study.tables import fmt_pct as _pct
+from ftis.study.tables import table as _table
 from ftis.train.metrics import read_metrics
 
 TOKENS = "train/generated_tokens_total"
@@ -170,9 +171,7 @@ def difference_cell(d: PairedDifference) -> str:
     """'+1.2 [−0.3, +2.6]', with the verdict in bold where the interval excludes zero."""
     if d.seeds == 0:
         return "n/a"
-    text = d.cells()
-    if d.excludes_zero:
-        text = f"**{text}** ({d.verdict()})"
+    text = interval_cell(d, verdict=True)
     if d.dropped:
         text += f" ({d.dropped} seed(s) unpaired)"
     return text
@@ -590,10 +589,7 @@ def render(
     L += [
         *_table(
             ["run", "s", "code"],
-            [
-                [r.id, "-" if r.seconds is None else f"{r.seconds:.0f}", r.code or "-"]
-                for r in results
-            ],
+            [[r.id, seconds_cell(r.seconds), r.code or "-"] for r in results],
         ),
         "",
         *reading_lines(reading),

@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 
 from ftis.study.arms import ArmResult, document_head, document_tail
-from ftis.study.document import DIFFERENCES_NOTE, Differences, fmt_pct, mean_std
-from ftis.study.document import table as _table
 from ftis.study.spec import Study
 from ftis.study.stats import read_evals
+from ftis.study.tables import DIFFERENCES_NOTE, Differences, fmt_pct, spread
+from ftis.study.tables import table as _table
 
 SUCCESS = "attack/success"
 SPLIT = "test"  # the reasoning task's in-distribution split (eval/accuracy's)
@@ -146,8 +146,8 @@ def main_table(study: Study, results: list[ArmResult]) -> list[str]:
                 fmt_pct(_acc(runs, 0)),
                 fmt_pct(_acc(runs, None)),
                 *succ,
-                _num([v for r in runs for v in [_step_mean(r, LENGTH)] if v is not None], 1),
-                _num(
+                spread([v for r in runs for v in [_step_mean(r, LENGTH)] if v is not None], 1),
+                spread(
                     [v / 1000 for r in runs for v in [_step_mean(r, FORWARD)] if v is not None],
                     1,
                 ),
@@ -197,8 +197,8 @@ def drop_table(study: Study, results: list[ArmResult]) -> list[str]:
                 spec.label or arm,
                 "yes" if runs[0].run.config.testing.adversary else "no",
                 *cells,
-                _num(t_bad),
-                _num(t_good),
+                spread(t_bad, 2),
+                spread(t_good, 2),
             ]
         )
     if not rows:
@@ -211,13 +211,6 @@ def drop_table(study: Study, results: list[ArmResult]) -> list[str]:
         "final trust in honest peers",
     ]
     return _table(header, rows)
-
-
-def _num(values: list[float], digits: int = 2) -> str:
-    if not values:
-        return "-"
-    m, s = mean_std(values)
-    return f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
 def _per_seed(runs: list[ArmResult], out_dir: Path, step_of) -> dict[int, Any]:

@@ -19,22 +19,22 @@ from pathlib import Path
 from typing import Any
 
 from ftis.models.real import model_label
-from ftis.study.document import (
-    DIFFERENCES_NOTE,
-    READING_BEGIN,
-    READING_END,
-    Differences,
-    fmt_pct,
-    mean_std,
-    partial_lines,
-)
-from ftis.study.document import code_line as _code_line
-from ftis.study.document import invocations_line as _invocations_line
-from ftis.study.document import rel as _rel
-from ftis.study.document import table as _table
+from ftis.study.document import READING_BEGIN, READING_END, partial_lines
 from ftis.study.runner import RUN_META, run_status
 from ftis.study.spec import RunSpec, Study
 from ftis.study.stats import at_equal_tokens
+from ftis.study.tables import (
+    DIFFERENCES_NOTE,
+    Differences,
+    fmt_pct,
+    mean_std,
+    regenerate_lines,
+    spread,
+)
+from ftis.study.tables import code_line as _code_line
+from ftis.study.tables import invocations_line as _invocations_line
+from ftis.study.tables import rel as _rel
+from ftis.study.tables import table as _table
 from ftis.train.metrics import read_metrics
 
 log = logging.getLogger(__name__)
@@ -240,13 +240,6 @@ def eval_keys_of(results: list[RunResult], pairing: str, match) -> list[str]:
     return sorted(seen, key=order)
 
 
-def fmt_num(values: list[float], digits: int = 2) -> str:
-    if not values:
-        return "-"
-    m, s = mean_std(values)
-    return f"{m:.{digits}f} ± {s:.{digits}f}"
-
-
 # ---------------------------------------------------------------------------------------- plots
 
 
@@ -447,19 +440,13 @@ def render(
     L += partial_lines(len(results), total, missing, rel)
     if study.spec.description:
         L += [study.spec.description.strip(), ""]
+    L += regenerate_lines(
+        rel,
+        out_dir,
+        "Seeds: " + ", ".join(map(str, seeds)) + " (`train.seed`: prompt order and sampling; warm "
+        "starts are shared across seeds).",
+    )
     L += [
-        "## How to regenerate",
-        "",
-        "```bash",
-        f"ftis sweep {rel}                 # run every missing run, then rewrite this file",
-        f"ftis sweep {rel} --report-only   # rewrite this file from the existing run directories",
-        f"ftis sweep {rel} --dry-run       # list the runs and which are done",
-        "```",
-        "",
-        f"Run directories: `{_rel(out_dir)}/<run-id>/` (ordinary `ftis run` directories; "
-        "`ftis report DIR` draws one run). Seeds: " + ", ".join(map(str, seeds)) + " (`train.seed`:"
-        " prompt order and sampling; warm starts are shared across seeds).",
-        "",
         "## Setup",
         "",
         *_setup_lines(study),
@@ -658,7 +645,7 @@ def _start_section(study: Study, results: list[RunResult]) -> list[str]:
             for k in passk:
                 cells.append(fmt_pct(_starts_eval(results, p, n, k)))
             for k in distinct:
-                cells.append(fmt_num(_starts_eval(results, p, n, k)))
+                cells.append(spread(_starts_eval(results, p, n, k), 2))
             first = [
                 c.lengths[0]
                 for res in results
@@ -724,7 +711,7 @@ def _passk_section(study: Study, results: list[RunResult]) -> list[str]:
                 k,
                 (
                     (lambda c, k=k: c.final_eval(k)),
-                    fmt_pct if k.startswith("pass@") else fmt_num,
+                    fmt_pct if k.startswith("pass@") else (lambda v: spread(v, 2)),
                 ),
             )
             for k in keys
@@ -738,11 +725,14 @@ def _offpolicy_section(study: Study, results: list[RunResult]) -> list[str]:
     for p, ps in _pairings_with_results(study, results):
         cols = [
             ("filtered", ((lambda c: c.filtered), fmt_pct)),
-            ("IS mean", ((lambda c: c.is_mean), lambda v: fmt_num(v, 3))),
-            ("IS max", ((lambda c: c.is_max), lambda v: fmt_num(v, 1))),
+            ("IS mean", ((lambda c: c.is_mean), lambda v: spread(v, 3))),
+            ("IS max", ((lambda c: c.is_max), lambda v: spread(v, 1))),
             (
                 "tokens (last 5 steps)",
-                ((lambda c: statistics.fmean(c.lengths[-5:]) if c.lengths else None), fmt_num),
+                (
+                    (lambda c: statistics.fmean(c.lengths[-5:]) if c.lengths else None),
+                    lambda v: spread(v, 2),
+                ),
             ),
         ]
         logged = {
@@ -756,11 +746,11 @@ def _offpolicy_section(study: Study, results: list[RunResult]) -> list[str]:
             cols += [
                 (
                     "variance ratio mean",
-                    ((lambda c: c.loss_mean.get("variance_ratio_mean")), lambda v: fmt_num(v, 3)),
+                    ((lambda c: c.loss_mean.get("variance_ratio_mean")), lambda v: spread(v, 3)),
                 ),
                 (
                     "ReCo weight max",
-                    ((lambda c: c.loss_max.get("reco_weight_max")), lambda v: fmt_num(v, 2)),
+                    ((lambda c: c.loss_max.get("reco_weight_max")), lambda v: spread(v, 2)),
                 ),
                 ("clipped", ((lambda c: c.loss_mean.get("clip_frac")), fmt_pct)),
             ]

@@ -17,9 +17,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from ftis.study.arms import ArmResult, document_head, document_tail, image, save_figure
-from ftis.study.document import DIFFERENCES_NOTE, Differences, fmt_pct, mean_std
-from ftis.study.document import table as _table
 from ftis.study.spec import Study
+from ftis.study.tables import DIFFERENCES_NOTE, Differences, fmt_pct, spread
+from ftis.study.tables import table as _table
 
 ACC = "eval/accuracy"
 BEST = "eval/randopt/best_accuracy"
@@ -188,9 +188,9 @@ def _matched_table(study: Study, results: list[ArmResult]) -> list[str]:
                 label,
                 f"{tokens:.3g}",
                 fmt_pct([p.acc for p in pts]),
-                _pp(gains),
+                spread(gains, scale=100, signed=True),
                 fmt_pct(at_base),
-                _pp(vs),
+                spread(vs, scale=100, signed=True),
                 str(len(pts)),
             ]
         )
@@ -317,13 +317,6 @@ def _gradient_table(study: Study, results: list[ArmResult]) -> list[str]:
     return _table(header, rows)
 
 
-def _pp(values: list[float]) -> str:
-    if not values:
-        return "-"
-    m, s = mean_std([100 * v for v in values])
-    return f"{m:+.1f} ± {s:.1f}"
-
-
 def _pooled_twin(study: Study, results: list[ArmResult], kind: str, members: int) -> str | None:
     """The first multi-party arm of `kind` whose population holds `members` (RandOpt: at least
     that many, read when it had scored them; CoRP: exactly that many)."""
@@ -367,7 +360,7 @@ def _alone_table(study: Study, results: list[ArmResult]) -> list[str]:
                     fmt_pct([mine[s].acc for s in common]),
                     arms[twin].label or twin,
                     fmt_pct([theirs[s].acc for s in common]),
-                    _pp([theirs[s].acc - mine[s].acc for s in common]),
+                    spread([theirs[s].acc - mine[s].acc for s in common], scale=100, signed=True),
                     f"{statistics.fmean(mine[s].tokens for s in common):.3g}",
                 ]
             )

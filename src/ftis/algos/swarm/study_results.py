@@ -17,9 +17,9 @@ from typing import Any
 
 from ftis.models.real import model_label
 from ftis.study.arms import ArmResult, document_head, document_tail, image, save_figure
-from ftis.study.document import DIFFERENCES_NOTE, ONE_SEED, Differences
-from ftis.study.document import table as _table
 from ftis.study.spec import Study
+from ftis.study.tables import DIFFERENCES_NOTE, ONE_SEED, Differences
+from ftis.study.tables import table as _table
 
 ACC = "eval/accuracy"
 
