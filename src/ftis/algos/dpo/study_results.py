@@ -15,7 +15,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from ftis.study.arms import ArmResult, document_head, document_tail, image, save_figure
+from ftis.study.arms import ArmResult
+from ftis.study.pages import Page, arms_renderer, finish_axes, save, section
 from ftis.study.spec import Study
 from ftis.study.tables import DIFFERENCES_NOTE, Differences, fmt_pct, mean_std, spread
 from ftis.study.tables import table as _table
@@ -344,8 +345,7 @@ def plot_curves(study: Study, results: list[ArmResult], path: Path) -> bool:
         ax.set_ylabel(ylabel, fontsize=8)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    save_figure(fig, path)
-    return True
+    return save(fig, path)
 
 
 def plot_consensus(study: Study, results: list[ArmResult], path: Path) -> bool:
@@ -374,57 +374,38 @@ def plot_consensus(study: Study, results: list[ArmResult], path: Path) -> bool:
             label = f"{arm.label or key} {what}" + (f" (gap {gap:.2f})" if gap is not None else "")
             ax.plot(xs, ys, style, color=color, label=label)
     ax.set_yscale("log")
-    ax.set_xlabel("round")
-    ax.set_ylabel("consensus error (1/N) sum ||theta_i - mean||^2")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    save_figure(fig, path)
-    return True
+    finish_axes(ax, xlabel="round", ylabel="consensus error (1/N) sum ||theta_i - mean||^2")
+    return save(fig, path)
 
 
 # ------------------------------------------------------------------------------------ render
 
 
-def render(
-    study: Study,
-    results: list[ArmResult],
-    missing: list[str],
-    out_dir: Path,
-    report_path: Path,
-    reading: str,
-) -> str:
-    assets = report_path.parent / "results" / report_path.stem
-    note = "Agents' figures are averaged over the agents, then over seeds (mean ± sample std)."
-    L = document_head(
-        study, results, missing, out_dir, title="federated and decentralized DPO", note=note
-    )
-    L += ["## Every arm", "", *main_table(study, results), ""]
-    if plot_curves(study, results, assets / "curves.png"):
-        L += [image(assets / "curves.png", report_path, "curves against rounds"), ""]
-    diff = difference_table(study, results)
-    if diff:
-        L += ["## Paired differences with intervals", "", *diff]
+def _body(page: Page) -> list[str]:
+    study, results = page.study, page.results
+    L = ["## Every arm", "", *main_table(study, results), ""]
+    L += page.figure("curves.png", "curves against rounds", plot_curves)
+    L += section("Paired differences with intervals", difference_table(study, results), end=False)
     agent = per_agent_table(study, results)
     if agent:
         L += ["Final held-out preference accuracy per agent (its own pairs):", "", *agent, ""]
-    fed = fed_table(study, results)
-    if fed:
-        L += ["## FedDPO: participation and staleness", "", *fed, ""]
-    gos = gossip_table(study, results)
-    if gos:
-        L += [
-            "## DecDPO: the graph",
-            "",
-            "rho is the second-largest |eigenvalue| of the mixing matrix W; one mixing step "
-            "shrinks the disagreement by at most rho^2 (the after/before column measures it).",
-            "",
-            *gos,
-            "",
-        ]
-        if plot_consensus(study, results, assets / "consensus.png"):
-            L += [image(assets / "consensus.png", report_path, "consensus error"), ""]
-    L += document_tail(results, out_dir, reading)
-    return "\n".join(L)
+    L += section("FedDPO: participation and staleness", fed_table(study, results))
+    gossip = section(
+        "DecDPO: the graph",
+        gossip_table(study, results),
+        "rho is the second-largest |eigenvalue| of the mixing matrix W; one mixing step "
+        "shrinks the disagreement by at most rho^2 (the after/before column measures it).",
+    )
+    if gossip:
+        L += gossip + page.figure("consensus.png", "consensus error", plot_consensus)
+    return L
+
+
+render = arms_renderer(
+    title="federated and decentralized DPO",
+    note="Agents' figures are averaged over the agents, then over seeds (mean ± sample std).",
+    body=_body,
+)
 
 
 __all__ = ["fed_table", "gossip_table", "main_table", "per_round", "render"]

@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from ftis.study.arms import ArmResult, document_head, document_tail
+from ftis.study.arms import ArmResult
+from ftis.study.pages import Page, arms_renderer, section
 from ftis.study.spec import Study
 from ftis.study.stats import read_evals
 from ftis.study.tables import DIFFERENCES_NOTE, Differences, fmt_pct, spread
@@ -281,56 +282,35 @@ def difference_table(
     return _table(header, rows), diffs.summary()
 
 
-def render(
-    study: Study,
-    results: list[ArmResult],
-    missing: list[str],
-    out_dir: Path,
-    report_path: Path,
-    reading: str,
-) -> str:
-    note = (
-        "Honest nodes' figures are averaged over the honest nodes, then over seeds "
-        "(mean ± sample std)."
-    )
-    L = document_head(
-        study, results, missing, out_dir, title="poisoned rollouts and the defences", note=note
-    )
-    L += [
-        "## Every arm",
-        "",
+def _body(page: Page) -> list[str]:
+    study, results = page.study, page.results
+    L = section(
+        "Every arm",
+        main_table(study, results),
         "Honest accuracy: greedy accuracy on the test split of the nodes that are not the "
         "attacker. Attack success: the share of their sampled test completions (one per "
         "problem, temperature 1) that contain the injected text.",
-        "",
-        *main_table(study, results),
-        "",
-    ]
-    drops = drop_table(study, results)
-    if drops:
-        L += [
-            "## What the screens dropped",
-            "",
-            "Per step, the share of the peers' sequences each screen dropped (`own`: of the "
-            "node's own sequences, dropped by the plausibility or same-model test), mean over "
-            "steps, honest "
-            "nodes and seeds. In an arm without attacker every dropped sequence is honest. "
-            "Trust is each honest node's trust in a peer at the last step.",
-            "",
-            *drops,
-            "",
-        ]
-    diff, summary = difference_table(study, results, out_dir)
-    L += [
-        "## Paired differences with intervals",
-        "",
+    )
+    L += section(
+        "What the screens dropped",
+        drop_table(study, results),
+        "Per step, the share of the peers' sequences each screen dropped (`own`: of the "
+        "node's own sequences, dropped by the plausibility or same-model test), mean over "
+        "steps, honest nodes and seeds. In an arm without attacker every dropped sequence is "
+        "honest. Trust is each honest node's trust in a peer at the last step.",
+    )
+    diff, summary = difference_table(study, results, page.out_dir)
+    return L + section(
+        "Paired differences with intervals",
+        [*diff, "", summary],
         DIFFERENCES_NOTE + " Accuracy intervals resample seeds and test problems; attack "
         "success intervals resample seeds (final evaluation).",
-        "",
-        *diff,
-        "",
-        summary,
-        "",
-    ]
-    L += document_tail(results, out_dir, reading)
-    return "\n".join(L)
+    )
+
+
+render = arms_renderer(
+    title="poisoned rollouts and the defences",
+    note="Honest nodes' figures are averaged over the honest nodes, then over seeds "
+    "(mean ± sample std).",
+    body=_body,
+)

@@ -16,7 +16,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from ftis.study.arms import ArmResult, document_head, document_tail, image, save_figure
+from ftis.study.arms import ArmResult
+from ftis.study.pages import Page, arms_renderer, finish_axes, save, section
 from ftis.study.spec import Study
 from ftis.study.tables import DIFFERENCES_NOTE, Differences, fmt_pct, spread
 from ftis.study.tables import table as _table
@@ -503,34 +504,20 @@ def plot(study: Study, results: list[ArmResult], path: Path) -> bool:
             label=f"{name}{': ' + what if what else ''}",
         )
     ax.set_xscale("log")
-    ax.set_xlabel("forward-pass tokens, summed over the run's parties")
-    ax.set_ylabel("greedy test accuracy (%)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    save_figure(fig, path)
-    return True
+    finish_axes(
+        ax,
+        xlabel="forward-pass tokens, summed over the run's parties",
+        ylabel="greedy test accuracy (%)",
+    )
+    return save(fig, path)
 
 
 # ------------------------------------------------------------------------------------ render
 
 
-def render(
-    study: Study,
-    results: list[ArmResult],
-    missing: list[str],
-    out_dir: Path,
-    report_path: Path,
-    reading: str,
-) -> str:
-    assets = report_path.parent / "results" / report_path.stem
-    L = document_head(
-        study,
-        results,
-        missing,
-        out_dir,
-        title="gradient-free post-training against GRPO at matched compute",
-        note="Means ± sample std over seeds; differences paired by seed.",
-    )
+def _body(page: Page) -> list[str]:
+    study, results = page.study, page.results
+    L = []
     starts = [v for r in results for v in [_by_step(r, ACC).get(0)] if v is not None]
     if starts:
         L += [
@@ -538,17 +525,14 @@ def render(
             f"(every run's step 0; {len(starts)} runs).",
             "",
         ]
-    L += [
-        "## At matched compute",
-        "",
+    L += section(
+        "At matched compute",
+        _matched_table(study, results),
         "Each arm's test accuracy, its compute, and the baseline's accuracy when it had spent "
         "the same forward tokens (its evaluations linearly interpolated, seed for seed). A "
         "top-K vote costs K forward passes per question at inference; CoRP's model and GRPO's "
         "cost one.",
-        "",
-        *_matched_table(study, results),
-        "",
-    ]
+    )
     grad = _gradient_table(study, results)
     if grad:
         L += [
@@ -558,30 +542,22 @@ def render(
             *grad,
             "",
         ]
-    if plot(study, results, assets / "accuracy-vs-tokens.png"):
-        L += [
-            image(
-                assets / "accuracy-vs-tokens.png", report_path, "accuracy against forward tokens"
-            ),
-            "",
-        ]
-    L += [
-        "## Alone against pooled",
-        "",
+    L += page.figure("accuracy-vs-tokens.png", "accuracy against forward tokens", plot)
+    L += section(
+        "Alone against pooled",
+        _alone_table(study, results),
         "A party alone scores the population on its own support set only (one task); pooled, "
         "both parties' rewards choose the members. Same members per party, same seeds.",
-        "",
-        *_alone_table(study, results),
-        "",
-    ]
-    diff = difference_tables(study, results)
-    if diff:
-        L += ["## Paired differences with intervals", "", *diff]
-    corp = _corp_table(study, results)
-    if corp:
-        L += ["## CoRP's choices", "", *corp, ""]
-    L += document_tail(results, out_dir, reading)
-    return "\n".join(L)
+    )
+    L += section("Paired differences with intervals", difference_tables(study, results), end=False)
+    return L + section("CoRP's choices", _corp_table(study, results))
+
+
+render = arms_renderer(
+    title="gradient-free post-training against GRPO at matched compute",
+    note="Means ± sample std over seeds; differences paired by seed.",
+    body=_body,
+)
 
 
 __all__ = ["interpolate", "plot", "points", "render"]

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from ftis.models.real import model_label
-from ftis.study.arms import ArmResult, document_head, document_tail, image, save_figure
+from ftis.study.arms import ArmResult
+from ftis.study.pages import Page, arms_renderer, save, section
 from ftis.study.spec import Study
 from ftis.study.tables import DIFFERENCES_NOTE, ONE_SEED, Differences
 from ftis.study.tables import table as _table
@@ -287,51 +288,31 @@ def plot(study: Study, results: list[ArmResult], path: Path) -> bool:
     axes[-1].set_xlabel("round", fontsize=8)
     axes[-1].grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    save_figure(fig, path)
-    return True
+    return save(fig, path)
 
 
-def render(
-    study: Study,
-    results: list[ArmResult],
-    missing: list[str],
-    out_dir: Path,
-    report_path: Path,
-    reading: str,
-) -> str:
-    assets = report_path.parent / "results" / report_path.stem
-    L = document_head(
-        study,
-        results,
-        missing,
-        out_dir,
-        title="F-TIS among peers that come and go",
-        note="One run per arm and seed; the schedule of who is present is the config's.",
-    )
-    L += [
-        "## Every run",
-        "",
+def _body(page: Page) -> list[str]:
+    study, results = page.study, page.results
+    L = section(
+        "Every run",
+        summary_table(study, results),
         "Delivery is the share of the other peers the schedule has present in a round whose "
         "payload arrived before the deadline (a slow peer's come late by design); "
         "a peer trains on its own samples and at most `algorithm.max_peers_used` peers' batches "
         "of those (all of them when unset), which caps the samples it trains on.",
-        "",
-        *summary_table(study, results),
-        "",
-    ]
-    pt = preset_table(study, results)
-    if pt:
-        L += ["## Accuracy per model", "", *pt, ""]
-    ct = churn_table(study, results)
-    if ct:
-        L += ["## Churn against no churn: paired differences", "", *ct]
-    if plot(study, results, assets / "swarm.png"):
-        L += [
-            image(assets / "swarm.png", report_path, "accuracy per model and samples received"),
-            "",
-        ]
-    L += document_tail(results, out_dir, reading)
-    return "\n".join(L)
+    )
+    L += section("Accuracy per model", preset_table(study, results))
+    L += section(
+        "Churn against no churn: paired differences", churn_table(study, results), end=False
+    )
+    return L + page.figure("swarm.png", "accuracy per model and samples received", plot)
+
+
+render = arms_renderer(
+    title="F-TIS among peers that come and go",
+    note="One run per arm and seed; the schedule of who is present is the config's.",
+    body=_body,
+)
 
 
 __all__ = ["render", "run_summary"]
