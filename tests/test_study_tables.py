@@ -31,6 +31,7 @@ def test_spread_formats_mean_and_sample_std():
 def test_table_and_its_empty_line():
     assert table(["a", "b"], [["1", "2"]]) == ["| a | b |", "|---|---|", "| 1 | 2 |"]
     assert table(["a"], [], empty="_None._") == ["_None._"]
+    assert table(["a"], [], empty="") == []
     assert table(["a"], []) == ["| a |", "|---|"]
 
 

@@ -265,13 +265,13 @@ def document_tail(results: list[ArmResult], out_dir: Path, reading: str) -> list
     ]
 
 
-def save_figure(fig: Any, path: Path) -> None:
+def save_figure(fig: Any, path: Path, *, dpi: int = 100) -> None:
     """Lay out, write (creating the folder) and close a matplotlib figure."""
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
 
 

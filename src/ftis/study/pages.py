@@ -73,17 +73,21 @@ def arms_renderer(
     return render
 
 
-def finish_axes(ax: Any, *, xlabel: str, ylabel: str, legend: float = 7) -> None:
-    """The axes' labels, a light grid and the legend (its font size `legend`)."""
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
+def finish_axes(
+    ax: Any, *, xlabel: str, ylabel: str, legend: float = 7, fontsize: float | None = None
+) -> None:
+    """The axes' labels (font size `fontsize`, else matplotlib's), a light grid and the legend
+    (font size `legend`)."""
+    size = {} if fontsize is None else {"fontsize": fontsize}
+    ax.set_xlabel(xlabel, **size)
+    ax.set_ylabel(ylabel, **size)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=legend)
 
 
-def save(fig: Any, path: Path) -> bool:
+def save(fig: Any, path: Path, *, dpi: int = 100) -> bool:
     """Write the figure (ftis.study.arms.save_figure); True, the plot was drawn."""
-    save_figure(fig, path)
+    save_figure(fig, path, dpi=dpi)
     return True
 
 

@@ -55,10 +55,14 @@ def fmt_pct(values: list[float]) -> str:
 # ------------------------------------------------------------------------------ Markdown tables
 
 
-def table(header: list[str], rows: list[list[str]], *, empty: str | None = None) -> list[str]:
-    """A Markdown table; with `empty`, that line alone where there is no row."""
+def table(header: list[str] | str, rows: list[list[str]], *, empty: str | None = None) -> list[str]:
+    """A Markdown table. `header` is its cells, or its header row as Markdown writes it ('a | b
+    | c'). With `empty`, that line alone where there is no row (nothing at all for `empty=""`:
+    a section that has no row is left out)."""
     if not rows and empty is not None:
-        return [empty]
+        return [empty] if empty else []
+    if isinstance(header, str):
+        header = header.split(" | ")
     return [
         "| " + " | ".join(header) + " |",
         "|" + "|".join("---" for _ in header) + "|",
@@ -157,6 +161,18 @@ class Differences:
             self.hits.append(f"{label}: {d.verdict(higher_is_better=higher_is_better)}")
         return interval_cell(d, scale=scale, digits=digits)
 
+    def block(self, note: str, *tables: list[str]) -> list[str]:
+        """The note that says how to read the cells (DIFFERENCES_NOTE and what the intervals
+        resample), the tables of these differences and the summary line; nothing when every
+        table is empty."""
+        tables = tuple(t for t in tables if t)
+        if not tables:
+            return []
+        lines = [note, ""]
+        for t in tables:
+            lines += [*t, ""]
+        return [*lines, self.summary(), ""]
+
     def summary(self) -> str:
         """One line: how many intervals exclude zero (the bold cells), in which direction."""
         if not self.count:
@@ -248,6 +264,11 @@ def runs_table(out_dir: Path, header: list[str], rows: list[list[str]]) -> list[
     return [f"Runs in `{rel(out_dir)}`:", "", *table(header, rows)]
 
 
+def paired_count(a: Mapping[Any, Any], b: Mapping[Any, Any]) -> str:
+    """How many keys (seeds, peers) A and B share: the pairs behind a paired difference."""
+    return str(len(set(a) & set(b)))
+
+
 def seconds_cell(seconds: float | None) -> str:
     """A run's wall seconds, rounded; '-' when not recorded."""
     return "-" if seconds is None else f"{seconds:.0f}"
@@ -284,6 +305,7 @@ __all__ = [
     "invocations_line",
     "is_bold",
     "mean_std",
+    "paired_count",
     "regenerate_lines",
     "rel",
     "runs_table",

@@ -18,7 +18,14 @@ from pathlib import Path
 from ftis.study.arms import ArmResult
 from ftis.study.pages import Page, arms_renderer, finish_axes, save, section
 from ftis.study.spec import Study
-from ftis.study.tables import DIFFERENCES_NOTE, Differences, fmt_pct, mean_std, spread
+from ftis.study.tables import (
+    DIFFERENCES_NOTE,
+    Differences,
+    fmt_pct,
+    mean_std,
+    paired_count,
+    spread,
+)
 from ftis.study.tables import table as _table
 
 PREF = "eval/preference_accuracy"
@@ -66,6 +73,14 @@ def _start(curve: dict[int, float]) -> float | None:
 
 def _runs(results: list[ArmResult], arm: str) -> list[ArmResult]:
     return [r for r in results if r.run.arm == arm]  # type: ignore[attr-defined]
+
+
+def _arms_of_kind(study: Study, results: list[ArmResult], of_kind: str):
+    """(arm key, its spec, its complete runs of kind `of_kind`) for every arm that has some."""
+    for key, arm in study.spec.arms.items():  # type: ignore[attr-defined]
+        runs = [r for r in _runs(results, key) if kind(r) == of_kind]
+        if runs:
+            yield key, arm, runs
 
 
 def _vals(runs: list[ArmResult], fn) -> list[float]:
@@ -162,26 +177,17 @@ def difference_table(study: Study, results: list[ArmResult]) -> list[str]:
                         digits=3,
                         higher_is_better=False,
                     ),
-                    str(len(set(pa) & set(pb))),
+                    paired_count(pa, pb),
                 ]
             )
-    if not rows:
-        return []
-    header = [
-        "arm (A)",
-        "minus (B)",
-        "preference accuracy, final (pp)",
-        "held-out DPO loss, final (lower is better; not in points)",
-        "seeds",
-    ]
-    return [
+    header = (
+        "arm (A) | minus (B) | preference accuracy, final (pp) | "
+        "held-out DPO loss, final (lower is better; not in points) | seeds"
+    )
+    return diffs.block(
         "Final values, arm minus reference (the agents' mean per run). " + DIFFERENCES_NOTE,
-        "",
-        *_table(header, rows),
-        "",
-        diffs.summary(),
-        "",
-    ]
+        _table(header, rows, empty=""),
+    )
 
 
 def per_agent_table(study: Study, results: list[ArmResult]) -> list[str]:
@@ -219,10 +225,7 @@ def _rho(res: ArmResult) -> tuple[float | None, float | None]:
 
 def gossip_table(study: Study, results: list[ArmResult]) -> list[str]:
     rows = []
-    for key, arm in study.spec.arms.items():  # type: ignore[attr-defined]
-        runs = [r for r in _runs(results, key) if kind(r) == "gossip-dpo"]
-        if not runs:
-            continue
+    for key, arm, runs in _arms_of_kind(study, results, "gossip-dpo"):
         rho, gap = _rho(runs[0])
         before = _vals(runs, lambda r: _last_mean(per_round(r, BEFORE)))
         after = _vals(runs, lambda r: _last_mean(per_round(r, AFTER)))
@@ -240,8 +243,6 @@ def gossip_table(study: Study, results: list[ArmResult]) -> list[str]:
                 spread(_vals(runs, lambda r: _final(per_round(r, EVAL_LOSS))), 3),
             ]
         )
-    if not rows:
-        return []
     header = [
         "graph",
         "rho",
@@ -253,7 +254,7 @@ def gossip_table(study: Study, results: list[ArmResult]) -> list[str]:
         "preference accuracy, final",
         "held-out DPO loss, final",
     ]
-    return _table(header, rows)
+    return _table(header, rows, empty="")
 
 
 def _sci(values: list[float]) -> str:
@@ -265,10 +266,7 @@ def _sci(values: list[float]) -> str:
 
 def fed_table(study: Study, results: list[ArmResult]) -> list[str]:
     rows = []
-    for key, arm in study.spec.arms.items():  # type: ignore[attr-defined]
-        runs = [r for r in _runs(results, key) if kind(r) == "fed-dpo"]
-        if not runs:
-            continue
+    for key, arm, runs in _arms_of_kind(study, results, "fed-dpo"):
         a = runs[0].run.config.algorithm
         n = len(agents(runs[0]))
         s = getattr(a, "clients_per_round", 0) or n
@@ -292,8 +290,6 @@ def fed_table(study: Study, results: list[ArmResult]) -> list[str]:
                 spread(_vals(runs, lambda r: _last_std(train_loss(r))), 3),
             ]
         )
-    if not rows:
-        return []
     header = [
         "arm",
         "S",
@@ -304,7 +300,7 @@ def fed_table(study: Study, results: list[ArmResult]) -> list[str]:
         "held-out DPO loss, final",
         f"training-loss std over the last {LAST} rounds",
     ]
-    return _table(header, rows)
+    return _table(header, rows, empty="")
 
 
 # ------------------------------------------------------------------------------------ plots

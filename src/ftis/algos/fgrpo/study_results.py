@@ -20,6 +20,7 @@ from typing import Any
 from ftis.algos.fgrpo.study import CLIENT_EVAL, FGRPORun, FGRPOStudy, run_state
 from ftis.models.real import model_label
 from ftis.study.document import partial_lines, reading_lines
+from ftis.study.pages import finish_axes, save
 from ftis.study.runner import RUN_META
 from ftis.study.tables import (
     DIFFERENCES_NOTE,
@@ -238,15 +239,14 @@ def plot_curves(study: FGRPOStudy, results: list[RunData], path: Path) -> bool:
                 linewidth=0,
             )
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("round (single-node arms: step / E)", fontsize=8)
-        ax.set_ylabel("greedy test accuracy (%)", fontsize=8)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6.5)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+        finish_axes(
+            ax,
+            xlabel="round (single-node arms: step / E)",
+            ylabel="greedy test accuracy (%)",
+            legend=6.5,
+            fontsize=8,
+        )
+    return save(fig, path)
 
 
 def plot_finals(study: FGRPOStudy, results: list[RunData], path: Path, last_round: int) -> bool:
@@ -297,11 +297,7 @@ def plot_finals(study: FGRPOStudy, results: list[RunData], path: Path, last_roun
     ax.set_ylabel(f"greedy test accuracy at round {last_round} (%)", fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return save(fig, path)
 
 
 # ---------------------------------------------------------------------------------- document

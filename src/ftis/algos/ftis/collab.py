@@ -25,6 +25,7 @@ import numpy as np
 
 from ftis.models.real import model_label
 from ftis.study.document import reading_lines
+from ftis.study.pages import save
 from ftis.study.runner import complete_runs
 from ftis.study.stats import PairedDifference, at_equal_tokens, paired_difference, read_evals
 from ftis.study.tables import code_line, interval_cell, invocations_line, rel, seconds_cell
@@ -356,10 +357,7 @@ def plot_curves(
         axes.flat[0].legend(
             [handles[m] for m in order], [labels.get(m, m) for m in order], fontsize=7
         )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save(fig, path, dpi=90)
     return drew
 
 
@@ -398,10 +396,7 @@ def plot_hacpo(
         handles = ax.get_legend_handles_labels()
         more = right.get_legend_handles_labels()
         ax.legend(handles[0] + more[0], handles[1] + more[1], fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save(fig, path, dpi=90)
     return drew
 
 

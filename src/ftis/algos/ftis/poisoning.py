@@ -202,8 +202,6 @@ def drop_table(study: Study, results: list[ArmResult]) -> list[str]:
                 spread(t_good, 2),
             ]
         )
-    if not rows:
-        return []
     header = [
         "arm",
         "attacker",
@@ -211,7 +209,7 @@ def drop_table(study: Study, results: list[ArmResult]) -> list[str]:
         "final trust in the attacker",
         "final trust in honest peers",
     ]
-    return _table(header, rows)
+    return _table(header, rows, empty="")
 
 
 def _per_seed(runs: list[ArmResult], out_dir: Path, step_of) -> dict[int, Any]:

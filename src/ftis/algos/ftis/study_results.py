@@ -20,6 +20,7 @@ from typing import Any
 
 from ftis.models.real import model_label
 from ftis.study.document import READING_BEGIN, READING_END, partial_lines
+from ftis.study.pages import finish_axes, save
 from ftis.study.runner import RUN_META, run_status
 from ftis.study.spec import RunSpec, Study
 from ftis.study.stats import at_equal_tokens
@@ -27,7 +28,6 @@ from ftis.study.tables import (
     DIFFERENCES_NOTE,
     Differences,
     fmt_pct,
-    mean_std,
     regenerate_lines,
     spread,
 )
@@ -284,14 +284,8 @@ def _node_panels(study: Study, pairings: list[str], path: Path, draw, *, xlabel,
             ax.set_prop_cycle(color=[*plt.cm.tab10.colors, "black", "gold"])  # 12 distinct
             draw(ax, p, nodes[j])
             ax.set_title(f"{study.spec.pairings[p].label or p}: {nodes[j]}", fontsize=10)
-            ax.set_xlabel(xlabel, fontsize=8)
-            ax.set_ylabel(ylabel, fontsize=8)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=6.5)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+            finish_axes(ax, xlabel=xlabel, ylabel=ylabel, legend=6.5, fontsize=8)
+    save(fig, path)
 
 
 def plot_grid(study: Study, results: list[RunResult], path: Path, *, x: str, variants=None) -> bool:
@@ -763,85 +757,74 @@ def _budget_variants(study: Study) -> list[str]:
     return [m for m in wanted if m in study.spec.methods]
 
 
-def _budget_table(study: Study, results: list[RunResult]) -> list[str]:
-    rows = []
+def _against_alone(study: Study, variants_of):
+    """(pairing, its spec, its Alone variant, a variant compared with it) for every pairing
+    that has an Alone variant and every other variant of `variants_of(study, pairing)`."""
     for p, ps in study.spec.pairings.items():
         alone = [v for v in _variant_order(study, p) if study.spec.methods[v.split(" ")[0]].alone]
         if not alone:
             continue
-        for v in _main_variants(study, p):
-            if v in alone:
+        for v in variants_of(study, p):
+            if v not in alone:
+                yield p, ps, alone[0], v
+
+
+def _budget_table(study: Study, results: list[RunResult]) -> list[str]:
+    rows = []
+    for p, ps, alone, v in _against_alone(study, _main_variants):
+        for n in _node_order(study, p):
+            mine = _curves_for(results, p, v, n)
+            base = _curves_for(results, p, alone, n)
+            if not mine or not base:
                 continue
-            for n in _node_order(study, p):
-                mine = _curves_for(results, p, v, n)
-                base = _curves_for(results, p, alone[0], n)
-                if not mine or not base:
-                    continue
-                tokens = statistics.fmean(c.tokens[-1] for c in mine)
-                k = min(len(c.steps) for c in base)
-                mean_tokens = [statistics.fmean(c.tokens[i] for c in base) for i in range(k)]
-                i = min(range(k), key=lambda j: abs(mean_tokens[j] - tokens))
-                rows.append(
-                    [
-                        ps.label or p,
-                        _label(study, v),
-                        n,
-                        f"{tokens:,.0f}",
-                        fmt_pct([c.final("test") for c in mine]),
-                        f"{mean_tokens[i]:,.0f} (step {base[0].steps[i]})",
-                        fmt_pct([c.acc["test"][i] for c in base]),
-                    ]
-                )
-    if not rows:
-        return ["_No Alone baseline in the complete runs._"]
-    header = [
-        "pairing",
-        "method",
-        "node",
-        "tokens (pair, final)",
-        "test acc (pair)",
-        "tokens (Alone, nearest)",
-        "test acc (Alone, then)",
-    ]
-    return _table(header, rows)
+            tokens = statistics.fmean(c.tokens[-1] for c in mine)
+            k = min(len(c.steps) for c in base)
+            mean_tokens = [statistics.fmean(c.tokens[i] for c in base) for i in range(k)]
+            i = min(range(k), key=lambda j: abs(mean_tokens[j] - tokens))
+            rows.append(
+                [
+                    ps.label or p,
+                    _label(study, v),
+                    n,
+                    f"{tokens:,.0f}",
+                    fmt_pct([c.final("test") for c in mine]),
+                    f"{mean_tokens[i]:,.0f} (step {base[0].steps[i]})",
+                    fmt_pct([c.acc["test"][i] for c in base]),
+                ]
+            )
+    header = (
+        "pairing | method | node | tokens (pair, final) | test acc (pair) | "
+        "tokens (Alone, nearest) | test acc (Alone, then)"
+    )
+    return _table(header, rows, empty="_No Alone baseline in the complete runs._")
 
 
 def _gain_table(study: Study, results: list[RunResult]) -> list[str]:
     rows = []
-    for p, ps in study.spec.pairings.items():
+    for p, ps, alone, v in _against_alone(study, _variant_order):
         nodes = _node_order(study, p)
-        alone = [v for v in _variant_order(study, p) if study.spec.methods[v.split(" ")[0]].alone]
-        if not alone:
-            continue
-        for v in _variant_order(study, p):
-            if v in alone:
-                continue
-            cells = []
-            for n in nodes:
-                base = {
-                    res.run.seed: res.nodes[n].final("test")
-                    for res in results
-                    if res.run.pairing == p
-                    and res.run.variant == alone[0]
-                    and res.run.node == n
-                    and n in res.nodes
-                }
-                mine = {
-                    res.run.seed: res.nodes[n].final("test")
-                    for res in results
-                    if res.run.pairing == p and res.run.variant == v and n in res.nodes
-                }
-                common = sorted(set(base) & set(mine))
-                if not common:
-                    cells.append("-")
-                    continue
-                diffs = [100 * (mine[s] - base[s]) for s in common]
-                m, s = mean_std(diffs)
-                cells.append(f"{m:+.1f} ± {s:.1f}")
-            if any(c != "-" for c in cells):
-                rows.append(
-                    [ps.label or p, _label(study, v), *[f"{n}: {c}" for n, c in zip(nodes, cells)]]
-                )
+        cells = []
+        for n in nodes:
+            base = {
+                res.run.seed: res.nodes[n].final("test")
+                for res in results
+                if res.run.pairing == p
+                and res.run.variant == alone
+                and res.run.node == n
+                and n in res.nodes
+            }
+            mine = {
+                res.run.seed: res.nodes[n].final("test")
+                for res in results
+                if res.run.pairing == p and res.run.variant == v and n in res.nodes
+            }
+            common = sorted(set(base) & set(mine))
+            gains = [100 * (mine[s] - base[s]) for s in common]
+            cells.append(spread(gains, signed=True) if common else "-")
+        if any(c != "-" for c in cells):
+            rows.append(
+                [ps.label or p, _label(study, v), *[f"{n}: {c}" for n, c in zip(nodes, cells)]]
+            )
     if not rows:
         return ["_No Alone baseline in the complete runs._"]
     width = max(len(r) for r in rows)

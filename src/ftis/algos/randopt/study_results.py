@@ -19,7 +19,7 @@ from pathlib import Path
 from ftis.study.arms import ArmResult
 from ftis.study.pages import Page, arms_renderer, finish_axes, save, section
 from ftis.study.spec import Study
-from ftis.study.tables import DIFFERENCES_NOTE, Differences, fmt_pct, spread
+from ftis.study.tables import DIFFERENCES_NOTE, Differences, fmt_pct, paired_count, spread
 from ftis.study.tables import table as _table
 
 ACC = "eval/accuracy"
@@ -234,7 +234,7 @@ def difference_tables(study: Study, results: list[ArmResult]) -> list[str]:
                 label,
                 diffs.cell(f"{label} − theta_0", acc, start),
                 diffs.cell(f"{label} − {base_label}", acc, at_base),
-                str(len(set(acc) & set(at_base))),
+                paired_count(acc, at_base),
             ]
         )
     for key, arm in arms.items():  # the gradient arms at their last step
@@ -256,43 +256,28 @@ def difference_tables(study: Study, results: list[ArmResult]) -> list[str]:
             ]
         )
     pooled = []
-    for key, arm in arms.items():
-        res = [r for r in results if r.run.arm == key]  # type: ignore[attr-defined]
-        if not res or len(res[0].nodes) != 1 or _kind(res[0]) not in POPULATION:
+    for name, twin, mine_pts, theirs_pts in _alone_pairs(study, results):
+        mine = {p.seed: p.acc for p in mine_pts}
+        theirs = {p.seed: p.acc for p in theirs_pts}
+        if not set(mine) & set(theirs):
             continue
-        kind, a = _kind(res[0]), res[0].run.config.algorithm
-        twin = _pooled_twin(study, results, kind, a.population)
-        if twin is None:
-            continue
-        if kind == "randopt":
-            step = -(-a.population // a.per_step)
-            metrics = [(ACC, f"top-{a.top_k} vote"), (BEST, "best member")]
-        else:
-            step, metrics = None, [(ACC, "consolidated")]
-        for metric, what in metrics:
-            mine = {p.seed: p.acc for p in points(results, key, metric, step)}
-            theirs = {p.seed: p.acc for p in points(results, twin, metric, step)}
-            if not set(mine) & set(theirs):
-                continue
-            name = f"{arm.label or key} ({what}, {a.population} members)"
-            pooled.append(
-                [
-                    name,
-                    arms[twin].label or twin,
-                    diffs.cell(f"{arms[twin].label or twin} − {name}", theirs, mine),
-                    str(len(set(mine) & set(theirs))),
-                ]
-            )
-    if not rows and not pooled:
-        return []
-    L = [DIFFERENCES_NOTE, ""]
-    if rows:
-        header = ["arm (A)", "A − theta_0 (pp)", f"A − {base_label} at the same tokens", "seeds"]
-        L += [*_table(header, rows), ""]
-    if pooled:
-        header = ["party alone (B)", "pooled run (A)", "pooled − alone (pp)", "seeds"]
-        L += [*_table(header, pooled), ""]
-    return [*L, diffs.summary(), ""]
+        pooled.append(
+            [
+                name,
+                arms[twin].label or twin,
+                diffs.cell(f"{arms[twin].label or twin} − {name}", theirs, mine),
+                paired_count(mine, theirs),
+            ]
+        )
+    return diffs.block(
+        DIFFERENCES_NOTE,
+        _table(
+            ["arm (A)", "A − theta_0 (pp)", f"A − {base_label} at the same tokens", "seeds"],
+            rows,
+            empty="",
+        ),
+        _table("party alone (B) | pooled run (A) | pooled − alone (pp) | seeds", pooled, empty=""),
+    )
 
 
 def _gradient_table(study: Study, results: list[ArmResult]) -> list[str]:
@@ -312,10 +297,8 @@ def _gradient_table(study: Study, results: list[ArmResult]) -> list[str]:
         last = [c[-1][1] for c in curves.values()]
         tokens = statistics.fmean(c[-1][0] for c in curves.values())
         rows.append([arm.label or key, *cells, f"{fmt_pct(last)} ({tokens:.3g})", str(len(curves))])
-    if not rows:
-        return []
     header = ["arm", *[f"at {b:.3g} tokens" for b in budgets], "last (tokens)", "seeds"]
-    return _table(header, rows)
+    return _table(header, rows, empty="")
 
 
 def _pooled_twin(study: Study, results: list[ArmResult], kind: str, members: int) -> str | None:
@@ -331,12 +314,12 @@ def _pooled_twin(study: Study, results: list[ArmResult], kind: str, members: int
     return None
 
 
-def _alone_table(study: Study, results: list[ArmResult]) -> list[str]:
-    """Each party alone against the pooled population at equal members per party: paired by
-    seed, the pooled run's accuracy minus the party's alone accuracy."""
-    arms = study.spec.arms  # type: ignore[attr-defined]
-    rows = []
-    for key, arm in arms.items():
+def _alone_pairs(study: Study, results: list[ArmResult]):
+    """(row name, pooled twin arm, the party's points, the twin's points) for every single-party
+    population arm with a pooled twin of as many members and each metric it is scored on: the
+    top-K vote and the best member for RandOpt (at the step by which both had scored them all),
+    the consolidated model for CoRP (last step)."""
+    for key, arm in study.spec.arms.items():  # type: ignore[attr-defined]
         res = [r for r in results if r.run.arm == key]  # type: ignore[attr-defined]
         if not res or len(res[0].nodes) != 1 or _kind(res[0]) not in POPULATION:
             continue
@@ -350,32 +333,40 @@ def _alone_table(study: Study, results: list[ArmResult]) -> list[str]:
         else:
             step, metrics = None, [(ACC, "consolidated")]
         for metric, what in metrics:
-            mine = {p.seed: p for p in points(results, key, metric, step)}
-            theirs = {p.seed: p for p in points(results, twin, metric, step)}
-            common = sorted(set(mine) & set(theirs))
-            if not common:
-                continue
-            rows.append(
-                [
-                    f"{arm.label or key} ({what}, {a.population} members)",
-                    fmt_pct([mine[s].acc for s in common]),
-                    arms[twin].label or twin,
-                    fmt_pct([theirs[s].acc for s in common]),
-                    spread([theirs[s].acc - mine[s].acc for s in common], scale=100, signed=True),
-                    f"{statistics.fmean(mine[s].tokens for s in common):.3g}",
-                ]
+            yield (
+                f"{arm.label or key} ({what}, {a.population} members)",
+                twin,
+                points(results, key, metric, step),
+                points(results, twin, metric, step),
             )
-    if not rows:
-        return ["_No alone/pooled pairs among the complete runs._"]
-    header = [
-        "party alone",
-        "accuracy",
-        "pooled run",
-        "accuracy",
-        "pooled - alone (pp)",
-        "tokens (the party alone)",
-    ]
-    return _table(header, rows)
+
+
+def _alone_table(study: Study, results: list[ArmResult]) -> list[str]:
+    """Each party alone against the pooled population at equal members per party: paired by
+    seed, the pooled run's accuracy minus the party's alone accuracy."""
+    arms = study.spec.arms  # type: ignore[attr-defined]
+    rows = []
+    for name, twin, mine_pts, theirs_pts in _alone_pairs(study, results):
+        mine = {p.seed: p for p in mine_pts}
+        theirs = {p.seed: p for p in theirs_pts}
+        common = sorted(set(mine) & set(theirs))
+        if not common:
+            continue
+        rows.append(
+            [
+                name,
+                fmt_pct([mine[s].acc for s in common]),
+                arms[twin].label or twin,
+                fmt_pct([theirs[s].acc for s in common]),
+                spread([theirs[s].acc - mine[s].acc for s in common], scale=100, signed=True),
+                f"{statistics.fmean(mine[s].tokens for s in common):.3g}",
+            ]
+        )
+    header = (
+        "party alone | accuracy | pooled run | accuracy | pooled - alone (pp) | "
+        "tokens (the party alone)"
+    )
+    return _table(header, rows, empty="_No alone/pooled pairs among the complete runs._")
 
 
 def _corp_table(study: Study, results: list[ArmResult]) -> list[str]:

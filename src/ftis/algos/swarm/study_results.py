@@ -19,7 +19,7 @@ from ftis.models.real import model_label
 from ftis.study.arms import ArmResult
 from ftis.study.pages import Page, arms_renderer, save, section
 from ftis.study.spec import Study
-from ftis.study.tables import DIFFERENCES_NOTE, ONE_SEED, Differences
+from ftis.study.tables import DIFFERENCES_NOTE, ONE_SEED, Differences, paired_count
 from ftis.study.tables import table as _table
 
 ACC = "eval/accuracy"
@@ -210,33 +210,22 @@ def churn_table(study: Study, results: list[ArmResult]) -> list[str]:
                     model,
                     diffs.cell(f"{where} (seeds)", by_seed_a, by_seed_b),
                     diffs.cell(f"{where} (peers)", by_peer_a, by_peer_b),
-                    str(len(set(by_seed_a) & set(by_seed_b))),
-                    str(len(set(by_peer_a) & set(by_peer_b))),
+                    paired_count(by_seed_a, by_seed_b),
+                    paired_count(by_peer_a, by_peer_b),
                 ]
             )
-    if not rows:
-        return []
-    header = [
-        "arm (A)",
-        "minus (B)",
-        "model",
-        "change in accuracy, paired by seed (pp)",
-        "paired by peer (pp)",
-        "seeds",
-        "peers",
-    ]
-    return [
+    header = (
+        "arm (A) | minus (B) | model | change in accuracy, paired by seed (pp) | "
+        "paired by peer (pp) | seeds | peers"
+    )
+    return diffs.block(
         "A peer's accuracy change is its last evaluation minus its first (peers present at least "
         "half the rounds in both runs; a peer that left early has its last evaluation before "
         "the last round). " + DIFFERENCES_NOTE + f" With one seed, the seed column is "
         f"'{ONE_SEED}'; the peer column resamples the peers of that one seed, so its interval "
         "says how the difference varies over peers, not over seeds.",
-        "",
-        *_table(header, rows),
-        "",
-        diffs.summary(),
-        "",
-    ]
+        _table(header, rows, empty=""),
+    )
 
 
 def plot(study: Study, results: list[ArmResult], path: Path) -> bool:
