@@ -36,9 +36,18 @@ class Page:
         """The Markdown image of the plot `draw(study, results, path)` writes to `name` in
         `assets`, and a blank line; nothing where it drew nothing."""
         path = self.assets / name
-        if not draw(self.study, self.results, path):
-            return []
-        return [image(path, self.report_path, alt), ""]
+        return figure_lines(draw(self.study, self.results, path), path, self.report_path, alt)
+
+
+def figure_lines(drawn: bool, path: Path, report: Path, alt: str, *intro: str) -> list[str]:
+    """Where a plot was `drawn` at `path`: its intro paragraphs and its Markdown image (relative
+    to the document `report`), each followed by a blank line; nothing otherwise."""
+    if not drawn:
+        return []
+    lines = []
+    for paragraph in intro:
+        lines += [paragraph, ""]
+    return [*lines, image(path, report, alt), ""]
 
 
 def section(title: str, lines: list[str], *intro: str, end: bool = True) -> list[str]:
@@ -91,4 +100,4 @@ def save(fig: Any, path: Path, *, dpi: int = 100) -> bool:
     return True
 
 
-__all__ = ["Page", "arms_renderer", "finish_axes", "save", "section"]
+__all__ = ["Page", "arms_renderer", "figure_lines", "finish_axes", "save", "section"]

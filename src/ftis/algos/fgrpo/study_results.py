@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from typing import Any
 from ftis.algos.fgrpo.study import CLIENT_EVAL, FGRPORun, FGRPOStudy, run_state
 from ftis.models.real import model_label
 from ftis.study.document import partial_lines, reading_lines
-from ftis.study.pages import finish_axes, save
+from ftis.study.pages import figure_lines, finish_axes, save
 from ftis.study.runner import RUN_META
 from ftis.study.tables import (
     DIFFERENCES_NOTE,
@@ -586,21 +585,22 @@ def render(
         "",
     ]
     assets = report_path.parent / report_path.stem
-    rel_assets = os.path.relpath(assets, report_path.parent)
-    if plot_finals(study, results, assets / "final.png", last_round):
-        L += [f"![final accuracy per client]({rel_assets}/final.png)", ""]
+    final = assets / "final.png"
+    drawn = plot_finals(study, results, final, last_round)
+    L += figure_lines(drawn, final, report_path, "final accuracy per client")
     diff = _difference_table(study, results, last_round)
     if diff:
         L += ["## Paired differences with intervals", "", *diff]
     L += ["## Accuracy across rounds", ""]
-    if plot_curves(study, results, assets / "curves.png"):
-        L += [
-            "Mean over seeds, band ± sample std. Dashed: each client alone; dash-dot: "
-            "centralized GRPO on the union.",
-            "",
-            f"![accuracy against round]({rel_assets}/curves.png)",
-            "",
-        ]
+    curves_png = assets / "curves.png"
+    L += figure_lines(
+        plot_curves(study, results, curves_png),
+        curves_png,
+        report_path,
+        "accuracy against round",
+        "Mean over seeds, band ± sample std. Dashed: each client alone; dash-dot: centralized "
+        "GRPO on the union.",
+    )
     L += ["## Stability across rounds", "", *_stability_tables(study, results)]
     L += [
         "## Aggregation weights (federated arms)",

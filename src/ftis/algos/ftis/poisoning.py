@@ -280,30 +280,34 @@ def difference_table(
     return _table(header, rows), diffs.summary()
 
 
+EVERY_ARM_NOTE = (
+    "Honest accuracy: greedy accuracy on the test split of the nodes that are not the attacker. "
+    "Attack success: the share of their sampled test completions (one per problem, temperature "
+    "1) that contain the injected text."
+)
+DROPPED_NOTE = (
+    "Per step, the share of the peers' sequences each screen dropped (`own`: of the node's own "
+    "sequences, dropped by the plausibility or same-model test), mean over steps, honest nodes "
+    "and seeds. In an arm without attacker every dropped sequence is honest. Trust is each "
+    "honest node's trust in a peer at the last step."
+)
+RESAMPLED_NOTE = (
+    " Accuracy intervals resample seeds and test problems; attack success intervals resample "
+    "seeds (final evaluation)."
+)
+
+
 def _body(page: Page) -> list[str]:
-    study, results = page.study, page.results
-    L = section(
-        "Every arm",
-        main_table(study, results),
-        "Honest accuracy: greedy accuracy on the test split of the nodes that are not the "
-        "attacker. Attack success: the share of their sampled test completions (one per "
-        "problem, temperature 1) that contain the injected text.",
-    )
-    L += section(
-        "What the screens dropped",
-        drop_table(study, results),
-        "Per step, the share of the peers' sequences each screen dropped (`own`: of the "
-        "node's own sequences, dropped by the plausibility or same-model test), mean over "
-        "steps, honest nodes and seeds. In an arm without attacker every dropped sequence is "
-        "honest. Trust is each honest node's trust in a peer at the last step.",
-    )
-    diff, summary = difference_table(study, results, page.out_dir)
-    return L + section(
-        "Paired differences with intervals",
-        [*diff, "", summary],
-        DIFFERENCES_NOTE + " Accuracy intervals resample seeds and test problems; attack "
-        "success intervals resample seeds (final evaluation).",
-    )
+    diff, summary = difference_table(page.study, page.results, page.out_dir)
+    return [
+        *section("Every arm", main_table(page.study, page.results), EVERY_ARM_NOTE),
+        *section("What the screens dropped", drop_table(page.study, page.results), DROPPED_NOTE),
+        *section(
+            "Paired differences with intervals",
+            [*diff, "", summary],
+            DIFFERENCES_NOTE + RESAMPLED_NOTE,
+        ),
+    ]
 
 
 render = arms_renderer(

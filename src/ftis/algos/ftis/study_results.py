@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from typing import Any
 
 from ftis.models.real import model_label
 from ftis.study.document import READING_BEGIN, READING_END, partial_lines
-from ftis.study.pages import finish_axes, save
+from ftis.study.pages import figure_lines, finish_axes, save
 from ftis.study.runner import RUN_META, run_status
 from ftis.study.spec import RunSpec, Study
 from ftis.study.stats import at_equal_tokens
@@ -575,7 +574,6 @@ def render(
     # one folder per document (docs/RESULTS.md -> docs/results/results/), so two studies'
     # reports in the same folder never overwrite each other's plots
     assets = report_path.parent / "results" / report_path.stem.lower()
-    rel_assets = os.path.relpath(assets, report_path.parent)
     for name, x, title in [
         ("curves.png", "steps", "Test accuracy against RL step (mean over seeds)."),
         (
@@ -598,16 +596,16 @@ def render(
         if x != "steps" and not has_alone:
             continue
         variants = None if x == "steps" else _budget_variants(study)
-        if plot_grid(study, results, assets / name, x=x, variants=variants):
-            L += [title, "", f"![{name}]({rel_assets}/{name})", ""]
-    if plot_passk(study, results, assets / "passk.png"):
-        L += [
-            "pass@k against k at the last step (solid) and at step 0 (dashed, the warm start), "
-            "mean over seeds.",
-            "",
-            f"![passk.png]({rel_assets}/passk.png)",
-            "",
-        ]
+        drawn = plot_grid(study, results, assets / name, x=x, variants=variants)
+        L += figure_lines(drawn, assets / name, report_path, name, title)
+    L += figure_lines(
+        plot_passk(study, results, assets / "passk.png"),
+        assets / "passk.png",
+        report_path,
+        "passk.png",
+        "pass@k against k at the last step (solid) and at step 0 (dashed, the warm start), mean "
+        "over seeds.",
+    )
     L += ["## Reading", "", READING_BEGIN, reading.strip() or "_Not written yet._", READING_END, ""]
     return "\n".join(L)
 
