@@ -26,6 +26,7 @@ def test_spread_formats_mean_and_sample_std():
     assert spread([1.0, 3.0], 3) == "2.000 ± 1.414"
     assert spread([0.01, 0.03], scale=100, signed=True) == "+2.0 ± 1.4"
     assert spread([5.0]) == "5.0 ± 0.0"
+    assert spread([1e-4, 3e-4], 2, std_digits=1, notation="e") == "2.00e-04 ± 1.4e-04"
 
 
 def test_table_and_its_empty_line():

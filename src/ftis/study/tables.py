@@ -34,14 +34,22 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def spread(
-    values: Sequence[float], digits: int = 1, *, scale: float = 1.0, signed: bool = False
+    values: Sequence[float],
+    digits: int = 1,
+    *,
+    scale: float = 1.0,
+    signed: bool = False,
+    std_digits: int | None = None,
+    notation: str = "f",
 ) -> str:
-    """'m ± s' over `values` (mean and sample std, each times `scale`, `digits` decimals; the
-    mean with its sign when `signed`); '-' for no value."""
+    """'m ± s' over `values` (mean and sample std, each times `scale`, `digits` decimals, the
+    std `std_digits` if given; the mean with its sign when `signed`; `notation` "e" for
+    scientific, '1.23e-04 ± 4.5e-05'); '-' for no value."""
     if not values:
         return "-"
     m, s = mean_std([scale * v for v in values] if scale != 1.0 else list(values))
-    return f"{m:{'+' if signed else ''}.{digits}f} ± {s:.{digits}f}"
+    sd = digits if std_digits is None else std_digits
+    return f"{m:{'+' if signed else ''}.{digits}{notation}} ± {s:.{sd}{notation}}"
 
 
 def fmt_pct(values: list[float]) -> str:

@@ -22,7 +22,6 @@ from ftis.study.tables import (
     DIFFERENCES_NOTE,
     Differences,
     fmt_pct,
-    mean_std,
     paired_count,
     spread,
 )
@@ -235,8 +234,8 @@ def gossip_table(study: Study, results: list[ArmResult]) -> list[str]:
                 arm.label or key,
                 "-" if rho is None else f"{rho:.3f}",
                 "-" if gap is None else f"{gap:.3f}",
-                _sci(before),
-                _sci(after),
+                spread(before, 2, std_digits=1, notation="e"),
+                spread(after, 2, std_digits=1, notation="e"),
                 spread(ratio, 3),
                 "-" if rho is None else f"{rho * rho:.3f}",
                 fmt_pct(_vals(runs, lambda r: _final(per_round(r, PREF)))),
@@ -255,13 +254,6 @@ def gossip_table(study: Study, results: list[ArmResult]) -> list[str]:
         "held-out DPO loss, final",
     ]
     return _table(header, rows, empty="")
-
-
-def _sci(values: list[float]) -> str:
-    if not values:
-        return "-"
-    m, s = mean_std(values)
-    return f"{m:.2e} ± {s:.1e}"
 
 
 def fed_table(study: Study, results: list[ArmResult]) -> list[str]:
