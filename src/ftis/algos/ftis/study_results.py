@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ftis.models.real import model_label
-from ftis.study.document import READING_BEGIN, READING_END, partial_lines
-from ftis.study.pages import figure_lines, finish_axes, save
+from ftis.study.document import partial_lines, reading_lines
+from ftis.study.pages import figure_lines, finish_axes, save, section
 from ftis.study.runner import RUN_META, run_status
 from ftis.study.spec import RunSpec, Study
 from ftis.study.stats import at_equal_tokens
@@ -516,30 +516,19 @@ def render(
         "'filtered' is the mean fraction of training sequences the F- filter zeroed per step "
         "(own and peers' samples together).",
         "",
-        *(
-            [
-                "## Accuracy per eval split",
-                "",
-                "Final greedy accuracy on the pairings' other eval splits (e.g. one skill each).",
-                "",
-                *_skill_section(study, results),
-            ]
-            if _skill_section(study, results)
-            else []
+        *section(
+            "Accuracy per eval split",
+            _skill_section(study, results),
+            "Final greedy accuracy on the pairings' other eval splits (e.g. one skill each).",
+            end=False,
         ),
-        *(
-            [
-                "## pass@k",
-                "",
-                "Unbiased pass@k on the first eval split at the last step, from "
-                "`eval.pass_samples` samples per problem at the sampling temperature "
-                "(distinct answers: distinct final answers among a problem's samples, when "
-                "logged).",
-                "",
-                *_passk_section(study, results),
-            ]
-            if _passk_section(study, results)
-            else []
+        *section(
+            "pass@k",
+            _passk_section(study, results),
+            "Unbiased pass@k on the first eval split at the last step, from `eval.pass_samples` "
+            "samples per problem at the sampling temperature (distinct answers: distinct final "
+            "answers among a problem's samples, when logged).",
+            end=False,
         ),
         "## Off-policy statistics and completion lengths",
         "",
@@ -606,7 +595,7 @@ def render(
         "pass@k against k at the last step (solid) and at step 0 (dashed, the warm start), mean "
         "over seeds.",
     )
-    L += ["## Reading", "", READING_BEGIN, reading.strip() or "_Not written yet._", READING_END, ""]
+    L += reading_lines(reading)
     return "\n".join(L)
 
 
