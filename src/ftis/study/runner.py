@@ -20,10 +20,11 @@ from typing import Any, Literal
 
 import yaml
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
 from ftis import rundir
 from ftis.config import RunConfig
+from ftis.launch.progress import progress_columns
 from ftis.study.spec import RunSpec, Study
 from ftis.train.metrics import read_metrics
 
@@ -179,13 +180,7 @@ def run_study(
         f", {jobs} at a time" if jobs > 1 else "",
     )
     t_start = time.time()
-    columns = [
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[info]}"),
-    ]
+    columns = progress_columns()
     with Progress(*columns, console=console) as progress:
         bar = progress.add_task(f"study {study.spec.name}", total=len(todo), info="")
         sweep = _Sweep(outcome, progress, bar, len(todo), t_start)

@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
 from ftis.algos.federated.config import SERVER_NAME
 from ftis.config import RunConfig
 from ftis.launch.multi import MultiResult
+from ftis.launch.progress import progress_columns
 from ftis.train.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from ftis.train.metrics import MetricLogger, truncate_rows
 from ftis.train.node import Node, build_node
@@ -152,13 +153,7 @@ def server_setup(
     import torch
 
     names = [n.name for n in cfg.nodes]
-    columns = [
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[info]}"),
-    ]
+    columns = progress_columns()
     with Progress(*columns, console=console, disable=not cfg.log.progress) as bar:
         warm = None
 
