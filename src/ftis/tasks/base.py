@@ -126,3 +126,14 @@ def plain_prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]
     if bos is not None and (not ids or ids[0] != bos):
         ids.insert(0, int(bos))
     return ids
+
+
+def named_split(
+    task: str, name: str, train: Sequence[Problem], evals: Mapping[str, Sequence[Problem]]
+) -> Sequence[Problem]:
+    """A task's split by name: "train", or one of its evaluation splits."""
+    if name == "train":
+        return train
+    if name in evals:
+        return evals[name]
+    raise ValueError(f"{task} task has no split {name!r}; use one of {['train', *evals]}")
