@@ -27,24 +27,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-from ftis.config import ConfigError, RunConfig, format_validation_error, load_config
+from ftis.config import ConfigError, RunConfig, load_config
 from ftis.study.document import code_line, invocations_line, reading_lines, rel, table
 from ftis.study.registry import get_study_renderer
 from ftis.study.runner import complete_runs, plan
-from ftis.study.spec import _ID, RunSpec, Study, StudyError
+from ftis.study.spec import (
+    _ID,
+    RunSpec,
+    StrictModel,
+    Study,
+    StudyError,
+    is_study_of_kind,
+    read_spec,
+)
 from ftis.train.metrics import read_metrics
 
 KIND = "arms"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ArmSpec(_Strict):
+class ArmSpec(StrictModel):
     """One arm: a run config and its overrides."""
 
     config: str = Field(description="Run config, relative to the study file.")
@@ -55,7 +58,7 @@ class ArmSpec(_Strict):
     set: list[str] = Field(default_factory=list, description="Overrides; {seed} = the seed.")
 
 
-class ArmsStudySpec(_Strict):
+class ArmsStudySpec(StrictModel):
     kind: Literal["arms"]
     name: str = Field(description="Study name; default output runs/study-<name>.")
     description: str = Field("", description="A paragraph for the results document.")
@@ -125,27 +128,13 @@ class ArmResult:
 
 def is_arms_study(path: str | Path) -> bool:
     """True when `path` is a YAML study with `kind: arms`."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
-        return False
-    return isinstance(data, dict) and data.get("kind") == KIND
+    return is_study_of_kind(path, KIND)
 
 
 def load_arms_study(path: str | Path) -> Study:
     """Read, validate and expand an arms study (a Study whose runs are ArmRuns)."""
     path = Path(path)
-    if not path.exists():
-        raise StudyError(f"study file {str(path)!r} does not exist; give a YAML path")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-        spec = ArmsStudySpec.model_validate(data)
-    except yaml.YAMLError as e:
-        raise StudyError(f"study file {str(path)!r} is not valid YAML: {e}") from e
-    except ValidationError as e:
-        raise StudyError(
-            f"study {path}: " + format_validation_error(e).replace("config", "study", 1)
-        ) from None
+    spec = read_spec(path, ArmsStudySpec)
     runs = []
     for seed in spec.seeds:
         for key, arm in spec.arms.items():
