@@ -9,6 +9,7 @@ computed once per round by `response_weights` and sliced into every step.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -145,16 +146,18 @@ def update(
         width = max(int(batch.lengths[sl].max()), 1)
         comp = batch.completion_ids[sl, :width]
         mask = mask_all[sl, :width]
+        # the micro-batch's completion log-probs under a model (the node's, its reference)
+        completion_logprobs = functools.partial(
+            shared_prompt_completion_logprobs,
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            prompt_of=prompt_of,
+            completion_ids=comp,
+            completion_mask=mask.long(),
+            temperature=temperature,
+        )
         with compute_context(model_dev, compute_dtype):
-            logprobs = shared_prompt_completion_logprobs(
-                node.model,
-                prompt_ids=prompt_ids,
-                prompt_mask=prompt_mask,
-                prompt_of=prompt_of,
-                completion_ids=comp,
-                completion_mask=mask.long(),
-                temperature=temperature,
-            )
+            logprobs = completion_logprobs(node.model)
         dev = logprobs.device  # the model's: a GPU node trains on the GPU, batches stay on CPU
         if track_mismatch:
             with torch.no_grad():
@@ -240,15 +243,7 @@ def update(
                 node.reference() as ref_model,
                 compute_context(model_dev, compute_dtype),
             ):
-                ref_logprobs = shared_prompt_completion_logprobs(
-                    ref_model,
-                    prompt_ids=prompt_ids,
-                    prompt_mask=prompt_mask,
-                    prompt_of=prompt_of,
-                    completion_ids=comp,
-                    completion_mask=mask.long(),
-                    temperature=temperature,
-                )
+                ref_logprobs = completion_logprobs(ref_model)
             kl_mask = mask.to(dev)
             if kl_own_only and own is not None:
                 # HACPO: the KL term on the learner's own sequences only (the paper's); a
