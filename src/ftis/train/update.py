@@ -283,17 +283,8 @@ def update(
         # would have after a full backward pass of zeros.
         for p in params:
             p.grad = torch.zeros_like(p)
-        # The loss's own metrics over no sequence (0, as for any empty mask), so that every row
-        # carries the same loss/* keys.
-        _, empty = policy_loss(
-            torch.zeros(0, 1),
-            torch.zeros(0, 1),
-            torch.zeros(0),
-            torch.zeros(0, 1, dtype=torch.bool),
-            method=loss_cfg.method,
-            num_sequences=n_total,
-        )
-        totals.update({k: float(v) for k, v in empty.items()})
+        # The loss's own metrics over no sequence, so that every row carries the same loss/* keys.
+        totals.update(_empty_loss_metrics(loss_cfg.method, n_total))
         if beta > 0:
             totals["kl"] = 0.0
         if reco and loss_cfg.reco_token_ratio:
@@ -481,15 +472,7 @@ def _no_step_metrics(loss_cfg: LossConfig, batch: RolloutBatch) -> dict[str, flo
     """The metrics `update` reports for a batch with no sequence to run (the loss's own over
     no sequence, 0 as for any empty mask), so that a round without an optimizer step carries
     the same loss/* keys as any other."""
-    _, empty = policy_loss(
-        torch.zeros(0, 1),
-        torch.zeros(0, 1),
-        torch.zeros(0),
-        torch.zeros(0, 1, dtype=torch.bool),
-        method=loss_cfg.method,
-        num_sequences=batch.num_sequences,
-    )
-    out = {k: float(v) for k, v in empty.items()}
+    out = _empty_loss_metrics(loss_cfg.method, batch.num_sequences)
     if loss_cfg.beta > 0:
         out["kl"] = 0.0
     if resolve_method(loss_cfg.method)[0] == "reco":
@@ -498,3 +481,16 @@ def _no_step_metrics(loss_cfg: LossConfig, batch: RolloutBatch) -> dict[str, flo
         if loss_cfg.reco_response_weights:
             out.update(reco_weight_max=0.0, reco_weight_min=0.0)
     return {**out, "active_frac": 0.0, "grad_norm": 0.0}
+
+
+def _empty_loss_metrics(method: str, num_sequences: int) -> dict[str, float]:
+    """The loss's own metrics over no sequence (0, as for any empty mask)."""
+    _, empty = policy_loss(
+        torch.zeros(0, 1),
+        torch.zeros(0, 1),
+        torch.zeros(0),
+        torch.zeros(0, 1, dtype=torch.bool),
+        method=method,
+        num_sequences=num_sequences,
+    )
+    return {k: float(v) for k, v in empty.items()}
