@@ -30,7 +30,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from ftis.tasks.base import Problem, TaskConfigBase, TaskDataError, as_id_list, plain_prompt_ids
-from ftis.tasks.gsm8k import HF_SCHEME, Records, chat_template_in_use, read_records
+from ftis.tasks.gsm8k import (
+    HF_SCHEME,
+    Records,
+    chat_template_in_use,
+    hub_spec_parts,
+    import_datasets,
+    read_records,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -143,19 +150,14 @@ def read_rows(spec: str, *, field: str, default_split: str, skip_bad: bool = Fal
 
 def _load_dataset(spec: str, *, field: str, default_split: str) -> list[dict[str, Any]]:
     body = spec[len(HF_SCHEME) :] if spec.startswith(HF_SCHEME) else spec
-    parts = body.split(":")
-    if len(parts) > 3 or not parts[0]:
+    parsed = hub_spec_parts(body, default_split)
+    if parsed is None or not parsed[0]:
         raise TaskDataError(f"{field}={spec!r}: write it as hf:///abs/dir[:CONFIG[:SPLIT]]")
-    where = parts[0]
-    config = parts[1] if len(parts) > 1 and parts[1] else None
-    split = parts[2] if len(parts) > 2 and parts[2] else default_split
-    try:
-        import datasets
-    except ImportError as e:
-        raise TaskDataError(
-            f"{field}={spec!r} needs the `datasets` package: pip install 'ftis[datasets]', or "
-            "save the rows as .jsonl/.parquet/.csv"
-        ) from e
+    where, config, split = parsed
+    datasets = import_datasets(
+        f"{field}={spec!r} needs the `datasets` package: pip install 'ftis[datasets]', or "
+        "save the rows as .jsonl/.parquet/.csv"
+    )
     try:
         if Path(where).is_dir() and any(
             (Path(where) / f).is_file() for f in ("dataset_dict.json", "state.json")
