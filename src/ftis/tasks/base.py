@@ -81,6 +81,9 @@ class TaskConfigBase(BaseModel):
     # The reward used when none is configured: a registered name ('builtin:gsm8k'), OWN_REWARD
     # (the task's own `reward` method, for plugin tasks), or None (one must be configured).
     default_reward: ClassVar[str | None] = OWN_REWARD
+    # A task whose warm start trains on a column of its rows (`warmstart_field`): why it cannot
+    # warm start while that column is not set (None: the task needs no such column).
+    no_warmstart_field: ClassVar[str | None] = None
 
     @field_validator("reward", mode="before")
     @classmethod
@@ -89,7 +92,18 @@ class TaskConfigBase(BaseModel):
 
     def warm_start_refusal(self) -> str | None:
         """Why this task cannot give a supervised warm start (None when it can)."""
+        if self.no_warmstart_field and getattr(self, "warmstart_field", None) is None:
+            return self.no_warmstart_field
         return None
+
+
+def chat_template_field(plain: str) -> Any:
+    """A task config's `use_chat_template` field; `plain` is what the prompt is without one."""
+    return Field(
+        None,
+        description="null = the tokenizer's chat template when it has one, false = always the "
+        f"{plain}, true = require a template.",
+    )
 
 
 class TaskDataError(ValueError):

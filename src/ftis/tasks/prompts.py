@@ -29,7 +29,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ftis.tasks.base import Problem, TaskConfigBase, TaskDataError, as_id_list, plain_prompt_ids
+from ftis.tasks.base import (
+    Problem,
+    TaskConfigBase,
+    TaskDataError,
+    as_id_list,
+    chat_template_field,
+    plain_prompt_ids,
+)
 from ftis.tasks.gsm8k import (
     HF_SCHEME,
     Records,
@@ -50,6 +57,10 @@ class PromptsTaskConfig(TaskConfigBase):
 
     kind: Literal["prompts"] = Field(default="prompts", description="Task selector.")
     default_reward: ClassVar[str | None] = None  # the reward must be configured
+    no_warmstart_field: ClassVar[str | None] = (
+        "the prompts task has no supervised target: set task.warmstart_field to a column "
+        "holding completions in the format your reward expects, or remove warm_start"
+    )
 
     train_file: str = Field(
         description="Rows: a .jsonl/.json/.parquet/.csv file, a local dataset directory (a path "
@@ -72,11 +83,7 @@ class PromptsTaskConfig(TaskConfigBase):
     system_prompt: str | None = Field(
         None, description="System message put before each `prompt` row's question (not `messages`)."
     )
-    use_chat_template: bool | None = Field(
-        None,
-        description="null = the tokenizer's chat template when it has one, false = always the "
-        "plain 'role: content' text, true = require a template.",
-    )
+    use_chat_template: bool | None = chat_template_field("plain 'role: content' text")
     warmstart_field: str | None = Field(
         None,
         description="Column holding a completion in the format your reward wants; a warm start "
@@ -99,14 +106,6 @@ class PromptsTaskConfig(TaskConfigBase):
         if not self.train_file.strip():
             raise ValueError("train_file is empty: give a .jsonl/.parquet/.csv path or a directory")
         return self
-
-    def warm_start_refusal(self) -> str | None:
-        if self.warmstart_field is None:
-            return (
-                "the prompts task has no supervised target: set task.warmstart_field to a column "
-                "holding completions in the format your reward expects, or remove warm_start"
-            )
-        return None
 
 
 SKIP_HINT = "; fix the row, or set task.skip_bad_rows: true to skip and count such rows"

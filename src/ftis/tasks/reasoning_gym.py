@@ -51,7 +51,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ftis.rewards import RewardTerm, register_reward
-from ftis.tasks.base import Problem, TaskConfigBase, TaskDataError, named_split, plain_prompt_ids
+from ftis.tasks.base import (
+    Problem,
+    TaskConfigBase,
+    TaskDataError,
+    chat_template_field,
+    named_split,
+    plain_prompt_ids,
+)
 from ftis.tasks.generated import VirtualSplit
 from ftis.tasks.gsm8k import PLAIN_PROMPT, chat_prompt_ids, chat_template_in_use
 
@@ -157,11 +164,7 @@ class ReasoningGymTaskConfig(TaskConfigBase):
         "'simple', 'chain_of_draft', 'DeepSeekZero') or the system prompt's text; it should ask "
         "for <answer>...</answer>.",
     )
-    use_chat_template: bool | None = Field(
-        None,
-        description="null = the tokenizer's chat template when it has one, false = always the "
-        "plain text prompt, true = require a template.",
-    )
+    use_chat_template: bool | None = chat_template_field("plain text prompt")
 
     @field_validator("datasets", mode="before")
     @classmethod
