@@ -97,15 +97,6 @@ class TaskConfigBase(BaseModel):
         return None
 
 
-def chat_template_field(plain: str) -> Any:
-    """A task config's `use_chat_template` field; `plain` is what the prompt is without one."""
-    return Field(
-        None,
-        description="null = the tokenizer's chat template when it has one, false = always the "
-        f"{plain}, true = require a template.",
-    )
-
-
 class TaskDataError(ValueError):
     """A task's data or problem space cannot be built: a missing file, a bad record, too few
     held-out problems. The message names the config field to change."""

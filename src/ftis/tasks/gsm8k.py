@@ -494,6 +494,15 @@ def chat_template_in_use(setting: bool | None, tokenizer: PreTrainedTokenizerBas
     return has_template and setting is not False
 
 
+def chat_template_field(plain: str) -> Any:
+    """A task config's `use_chat_template` field; `plain` is what the prompt is without one."""
+    return Field(
+        None,
+        description="null = the tokenizer's chat template when it has one, false = always the "
+        f"{plain}, true = require a template.",
+    )
+
+
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, system: str, question: str) -> list[int]:
     """Token ids of [system, user] through the chat template, ending in the assistant turn.
 

@@ -34,12 +34,12 @@ from ftis.tasks.base import (
     TaskConfigBase,
     TaskDataError,
     as_id_list,
-    chat_template_field,
     plain_prompt_ids,
 )
 from ftis.tasks.gsm8k import (
     HF_SCHEME,
     Records,
+    chat_template_field,
     chat_template_in_use,
     hub_spec_parts,
     import_datasets,

@@ -55,12 +55,16 @@ from ftis.tasks.base import (
     Problem,
     TaskConfigBase,
     TaskDataError,
-    chat_template_field,
     named_split,
     plain_prompt_ids,
 )
 from ftis.tasks.generated import VirtualSplit
-from ftis.tasks.gsm8k import PLAIN_PROMPT, chat_prompt_ids, chat_template_in_use
+from ftis.tasks.gsm8k import (
+    PLAIN_PROMPT,
+    chat_prompt_ids,
+    chat_template_field,
+    chat_template_in_use,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

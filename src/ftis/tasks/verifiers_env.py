@@ -43,10 +43,9 @@ from ftis.tasks.base import (
     TaskConfigBase,
     TaskDataError,
     as_id_list,
-    chat_template_field,
     plain_prompt_ids,
 )
-from ftis.tasks.gsm8k import chat_template_in_use
+from ftis.tasks.gsm8k import chat_template_field, chat_template_in_use
 from ftis.tasks.prompts import plain_chat
 
 if TYPE_CHECKING:
