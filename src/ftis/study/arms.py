@@ -23,6 +23,7 @@ from scratch), `--only` and `--dry-run` are those of `ftis sweep` (ftis.study.ru
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -31,8 +32,9 @@ from pydantic import Field, model_validator
 
 from ftis.config import ConfigError, RunConfig, load_config
 from ftis.study.document import code_line, invocations_line, reading_lines, rel, table
+from ftis.study.engine import plan_table as engine_plan_table
 from ftis.study.registry import get_study_renderer
-from ftis.study.runner import complete_runs, plan
+from ftis.study.runner import complete_runs
 from ftis.study.spec import (
     _ID,
     RunSpec,
@@ -172,12 +174,8 @@ def collect(study: Study, out_dir: Path) -> tuple[list[ArmResult], list[str]]:
     return results, missing
 
 
-def plan_table(
-    study: Study, *, out_dir: Path | None = None, only: str | None = None
-) -> tuple[list[str], list[list[str]]]:
-    """The `--dry-run` table: run, arm, seed, status."""
-    rows = [[r.id, r.variant, str(r.seed), s] for r, s in plan(study, out_dir=out_dir, only=only)]
-    return ["run", "arm", "seed", "status"], rows
+# The `--dry-run` table: run, arm, seed, status (the engine's, an arm for its variant).
+plan_table = functools.partial(engine_plan_table, variant="arm")
 
 
 def write_arms_results(
