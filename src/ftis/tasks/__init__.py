@@ -73,13 +73,11 @@ def register_task(
 
 def get_task(kind: str) -> TaskSpec:
     """The registered task `kind` (plugins loaded if needed), or a ValueError listing them."""
-    if kind not in TASKS:
-        from ftis.plugins import load_plugins
+    from ftis.plugins import registered
 
-        load_plugins()
-    if kind not in TASKS:
-        raise ValueError(f"unknown task kind {kind!r}; choose one of: {', '.join(sorted(TASKS))}")
-    return TASKS[kind]
+    return registered(
+        TASKS, kind, lambda known: f"unknown task kind {kind!r}; choose one of: {known}"
+    )
 
 
 def _task_config(value: Any) -> Any:
