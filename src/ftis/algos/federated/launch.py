@@ -324,15 +324,16 @@ def simulate(
     process it left (its raylet, GCS and client workers, orphaned or not) is ended."""
     sim = cfg.algorithm.simulation  # type: ignore[attr-defined]
     config = backend_config(cfg)
+    apps = dict(  # what either engine is given
+        server_app=server_app,
+        client_app=client_app,
+        num_supernodes=len(cfg.nodes),
+        backend_config=config,
+        verbose_logging=sim.verbose,
+    )
     if engine is not None:
         with _quiet(sim.verbose), stop.installed():
-            engine(
-                server_app=server_app,
-                client_app=client_app,
-                num_supernodes=len(cfg.nodes),
-                backend_config=config,
-                verbose_logging=sim.verbose,
-            )
+            engine(**apps)
         return
     from flwr.simulation import run_simulation
 
@@ -345,13 +346,7 @@ def simulate(
             _start_ray(config["init_args"])
             watch.start()
             with stop.installed():
-                run_simulation(
-                    server_app=server_app,
-                    client_app=client_app,
-                    num_supernodes=len(cfg.nodes),
-                    backend_config=config,
-                    verbose_logging=sim.verbose,
-                )
+                run_simulation(**apps)
         finally:
             watch.halt()
             import ray
