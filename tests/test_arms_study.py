@@ -307,9 +307,9 @@ def _tiny_study(tmp_path: Path, arms: dict, *, seeds: list[int]) -> Path:
 def test_sweep_jobs_runs_at_the_same_time_with_the_same_results(tmp_path, monkeypatch):
     """`ftis sweep --jobs 2`: two runs in processes of their own, overlapping in time, with rows
     identical to `--jobs 1`'s (timings aside), one thread per node either way."""
-    import torch
-
     import multiprocessing
+
+    import torch
 
     from ftis.study import runner
 
@@ -338,7 +338,9 @@ def test_sweep_jobs_runs_at_the_same_time_with_the_same_results(tmp_path, monkey
             )
             assert res.exit_code == 0, res.output
             if jobs == 2:
-                assert max(alive) == 2, f"the two runs' processes were never alive together: {alive}"
+                assert max(alive) == 2, (
+                    f"the two runs' processes were never alive together: {alive}"
+                )
     finally:
         torch.set_num_threads(threads)
     for seed in (0, 1):

@@ -28,7 +28,7 @@ from ftis.models.config import ModelConfig
 from ftis.plugins import AlgorithmConfig, get_algorithm
 from ftis.rewards import RewardTerm, normalise_reward_spec
 from ftis.tasks import ArithmeticTaskConfig, TaskConfig
-from ftis.validation import MODELS, format_validation_error
+from ftis.validation import MODELS, format_validation_error, validate_section
 from ftis.warmstart_config import WarmStartConfig
 
 log = logging.getLogger(__name__)
@@ -575,15 +575,7 @@ def _algorithm_config(value: Any) -> AlgorithmConfig:
     if not isinstance(value, dict):
         raise ValueError("must be a mapping with a kind, e.g. {kind: ftis}")
     kind = value.get("kind", "ftis")
-    spec = get_algorithm(str(kind))
-    try:
-        return spec.config.model_validate({**value, "kind": kind})
-    except ValidationError as e:
-        raise ValueError(
-            format_validation_error(
-                e, header="", indent="", sep="; ", model=spec.config, prefix="algorithm."
-            )
-        ) from None
+    return validate_section(get_algorithm(str(kind)).config, {**value, "kind": kind}, "algorithm.")
 
 
 class RunConfig(_Strict):

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -174,12 +174,22 @@ def load_plugins() -> None:
         importlib.import_module(name)
 
 
+T = TypeVar("T")
+
+
+def registered(table: Mapping[str, T], name: str, unknown: Callable[[str], str]) -> T:
+    """`table[name]` of a registry, the plugins loaded first when it is not there (a system
+    registers its kinds when imported); ValueError(`unknown(known names, sorted)`) when it is
+    not registered at all."""
+    if name not in table:
+        load_plugins()
+    if name not in table:
+        raise ValueError(unknown(", ".join(sorted(table))))
+    return table[name]
+
+
 def get_algorithm(kind: str) -> AlgorithmSpec:
     """The registered algorithm `kind`, or a ValueError listing the known ones."""
-    if kind not in ALGORITHMS:
-        load_plugins()
-    if kind not in ALGORITHMS:
-        raise ValueError(
-            f"unknown algorithm kind {kind!r}; choose one of: {', '.join(sorted(ALGORITHMS))}"
-        )
-    return ALGORITHMS[kind]
+    return registered(
+        ALGORITHMS, kind, lambda known: f"unknown algorithm kind {kind!r}; choose one of: {known}"
+    )

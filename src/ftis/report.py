@@ -31,10 +31,38 @@ class ReportError(ValueError):
     pass
 
 
-def _series(rows: list[dict[str, Any]], node: str, key: str) -> tuple[list[int], list[float]]:
+def series(rows: list[dict[str, Any]], node: str, key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of one node's metric `key`, in step order, where it was logged."""
     pts = [(r["step"], r[key]) for r in rows if r.get("node") == node and r.get(key) is not None]
     pts.sort()
     return [p[0] for p in pts], [float(p[1]) for p in pts]
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing off screen (the Agg backend): every report plot uses it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def label_axes(ax: Any, title: str, xlabel: str, ylabel: str | None = None) -> None:
+    """A report panel's title and axis labels, a light grid and a small legend."""
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    if ylabel is not None:
+        ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Lay out, write (110 dpi) and close a report figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
 
 
 def load_rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -112,15 +140,15 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         mine = [r for r in rows if r.get("node") == node]
         s: dict[str, Any] = {"node": node, "steps": max(r["step"] for r in mine)}
         for split in eval_splits(rows):
-            steps, vals = _series(rows, node, f"eval/{split}/accuracy")
+            steps, vals = series(rows, node, f"eval/{split}/accuracy")
             if vals:
                 s[f"{split}_before"], s[f"{split}_after"] = vals[0], vals[-1]
                 s.update(_same_clients(rows, node, f"eval/{split}/accuracy", split, steps))
-            _, solved = _series(rows, node, f"eval/{split}/solved")
+            _, solved = series(rows, node, f"eval/{split}/solved")
             if solved:
                 s[f"{split}_solved_before"], s[f"{split}_solved_after"] = solved[0], solved[-1]
         for k in pass_ks(rows):
-            steps, vals = _series(rows, node, f"eval/pass@{k}")
+            steps, vals = series(rows, node, f"eval/pass@{k}")
             if vals:
                 s[f"pass@{k}_before"], s[f"pass@{k}_after"] = vals[0], vals[-1]
                 s.update(_same_clients(rows, node, f"eval/pass@{k}", f"pass@{k}", steps))
@@ -263,11 +291,7 @@ def _opt(v: Any, pct: bool = False) -> str | None:
 
 
 def _plot_accuracy(rows, path: Path, label_prefix: str = "", axes=None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     splits = eval_splits(rows)
     own_fig = axes is None
     if own_fig:
@@ -277,27 +301,17 @@ def _plot_accuracy(rows, path: Path, label_prefix: str = "", axes=None) -> None:
         axes = axes[0]
     for ax, split in zip(axes, splits):
         for node in nodes_in(rows):
-            x, y = _series(rows, node, f"eval/{split}/accuracy")
+            x, y = series(rows, node, f"eval/{split}/accuracy")
             if x:
                 ax.plot(x, [100 * v for v in y], marker="o", ms=3, label=f"{label_prefix}{node}")
         partial = split in partial_credit_splits(rows)
-        ax.set_title(f"greedy {'mean reward (x100)' if partial else 'accuracy'}: {split}")
-        ax.set_xlabel("step")
-        ax.set_ylabel("%")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        what = "mean reward (x100)" if partial else "accuracy"
+        label_axes(ax, f"greedy {what}: {split}", "step", "%")
     if own_fig:
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        save_figure(fig, path)
 
 
 def _plot_training(rows, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     panels = [
         ("reward/own", "reward on own samples"),
         ("reward/peers", "reward on peers' samples"),
@@ -307,19 +321,14 @@ def _plot_training(rows, path: Path) -> None:
     panels = [p for p in panels if any(r.get(p[0]) is not None for r in rows)]
     if not panels:  # an algorithm that logs none of these (the rows still hold its own metrics)
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
     for ax, (key, title) in zip(axes[0], panels):
         for node in nodes_in(rows):
-            x, y = _series(rows, node, key)
+            x, y = series(rows, node, key)
             if x:
                 ax.plot(x, _smooth(y), label=node)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        label_axes(ax, title, "step")
+    save_figure(fig, path)
 
 
 def _smooth(y: list[float], k: int = 5) -> list[float]:
@@ -597,19 +606,12 @@ def _algorithm_section(rows: list[dict[str, Any]], run_dir: Path) -> list[str]:
 
 def compare_runs(run_dirs: list[Path], out: Path) -> Path:
     """Overlay several runs' accuracy curves in one PNG (one panel per eval split)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     all_rows = {Path(d).name: load_rows(Path(d)) for d in run_dirs}
     splits = sorted(
         {s for rows in all_rows.values() for s in eval_splits(rows)}, key=lambda s: (s != "test", s)
     )
-    fig, axes = plt.subplots(1, len(splits), figsize=(5.5 * len(splits), 3.8), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(splits), figsize=(5.5 * len(splits), 3.8), squeeze=False)
     for name, rows in all_rows.items():
         _plot_accuracy(rows, out, label_prefix=f"{name}/", axes=axes[0])
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out)
     return out

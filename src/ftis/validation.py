@@ -86,3 +86,14 @@ def _unknown_field(model: type[BaseModel] | None, loc: tuple, prefix: str) -> st
     if close:
         return f"unknown field {dotted!r}: did you mean {where}{close[0]}?"
     return f"unknown field {dotted!r}; valid fields here: {', '.join(names)}"
+
+
+def validate_section(model: type[BaseModel], value: dict[str, Any], prefix: str) -> Any:
+    """`value` validated as `model`, a registered kind's config (a run's `task.` or
+    `algorithm.` section, `prefix`): ValueError listing its problems on one line."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        raise ValueError(
+            format_validation_error(e, header="", indent="", sep="; ", model=model, prefix=prefix)
+        ) from None

@@ -126,7 +126,9 @@ def build(
             continue
         old = entries.get(name)
         if old is not None and not rebuild:
-            shipped = ShippedBase(name=name, key=old["key"], files=dict(old["files"]), info=old, root=out)
+            shipped = ShippedBase(
+                name=name, key=old["key"], files=dict(old["files"]), info=old, root=out
+            )
             try:
                 verify(shipped)
             except ShippedBaseError as e:

@@ -52,6 +52,26 @@ def _vector(x: Tensor | Sequence[float], name: str) -> Tensor:
 # ---- gains ---------------------------------------------------------------------------------
 
 
+def _perf_and_baseline(
+    perf: Tensor | Sequence[float], baseline: Tensor | Sequence[float]
+) -> tuple[Tensor, Tensor]:
+    """Both as float64 vectors of one shape; perf must be finite (a NaN baseline is unset)."""
+    p, b = _vector(perf, "perf"), _vector(baseline, "baseline")
+    if p.shape != b.shape:
+        raise ValueError(f"perf {tuple(p.shape)} and baseline {tuple(b.shape)} differ in shape")
+    if not bool(torch.isfinite(p).all()):
+        raise ValueError(f"perf must be finite, got {p.tolist()}")
+    return p, b
+
+
+def _divided_gains(p: Tensor, b: Tensor, floor: float) -> Tensor:
+    """(p - b) / max(|b|, floor); 0 where the baseline is unset (NaN)."""
+    unset = torch.isnan(b)
+    b0 = torch.where(unset, torch.zeros_like(b), b)
+    g = (p - b0) / b0.abs().clamp_min(floor)
+    return torch.where(unset, torch.zeros_like(g), g)
+
+
 def relative_gains(perf: Tensor | Sequence[float], baseline: Tensor | Sequence[float]) -> Tensor:
     """(K,) relative performance gains: g_k = (perf_k - baseline_k) / max(|baseline_k|, 1e-8).
 
@@ -59,15 +79,7 @@ def relative_gains(perf: Tensor | Sequence[float], baseline: Tensor | Sequence[f
     finite (the server rejects a client with a non-finite performance before this). Returns
     float64.
     """
-    p, b = _vector(perf, "perf"), _vector(baseline, "baseline")
-    if p.shape != b.shape:
-        raise ValueError(f"perf {tuple(p.shape)} and baseline {tuple(b.shape)} differ in shape")
-    if not bool(torch.isfinite(p).all()):
-        raise ValueError(f"perf must be finite, got {p.tolist()}")
-    unset = torch.isnan(b)
-    b0 = torch.where(unset, torch.zeros_like(b), b)
-    g = (p - b0) / b0.abs().clamp_min(GAIN_EPS)
-    return torch.where(unset, torch.zeros_like(g), g)
+    return _divided_gains(*_perf_and_baseline(perf, baseline), GAIN_EPS)
 
 
 def floored_gains(
@@ -84,15 +96,7 @@ def floored_gains(
     """
     if not floor > 0 or not math.isfinite(floor):
         raise ValueError(f"floor must be a positive number, got {floor}")
-    p, b = _vector(perf, "perf"), _vector(baseline, "baseline")
-    if p.shape != b.shape:
-        raise ValueError(f"perf {tuple(p.shape)} and baseline {tuple(b.shape)} differ in shape")
-    if not bool(torch.isfinite(p).all()):
-        raise ValueError(f"perf must be finite, got {p.tolist()}")
-    unset = torch.isnan(b)
-    b0 = torch.where(unset, torch.zeros_like(b), b)
-    g = (p - b0) / b0.abs().clamp_min(floor)
-    return torch.where(unset, torch.zeros_like(g), g)
+    return _divided_gains(*_perf_and_baseline(perf, baseline), floor)
 
 
 def log_ratio_gains(
@@ -104,11 +108,7 @@ def log_ratio_gains(
     |log eps| when a value is 0. Meant for non-negative performance (rewards >= 0): values below
     eps are treated as eps. A NaN baseline (unset) gives 0. Returns float64.
     """
-    p, b = _vector(perf, "perf"), _vector(baseline, "baseline")
-    if p.shape != b.shape:
-        raise ValueError(f"perf {tuple(p.shape)} and baseline {tuple(b.shape)} differ in shape")
-    if not bool(torch.isfinite(p).all()):
-        raise ValueError(f"perf must be finite, got {p.tolist()}")
+    p, b = _perf_and_baseline(perf, baseline)
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps}")
     unset = torch.isnan(b)

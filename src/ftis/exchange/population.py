@@ -23,11 +23,13 @@ Layout, little-endian (docs/wire-format.md has the rollout format; this one is s
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ftis.exchange.wire import PayloadError
 
@@ -76,6 +78,22 @@ def payload_size(n_values: int, direction_lengths: Sequence[int] = ()) -> int:
     )
 
 
+def _payload_errors(decode: Callable[..., PopulationPayload]) -> Callable[..., PopulationPayload]:
+    """`decode` with any error other than a PayloadError (struct errors, anything unforeseen)
+    turned into one: a malformed payload is still only a bad payload."""
+
+    @functools.wraps(decode)
+    def checked(*args: Any, **kwargs: Any) -> PopulationPayload:
+        try:
+            return decode(*args, **kwargs)
+        except PayloadError:
+            raise
+        except Exception as e:
+            raise PayloadError(f"malformed population payload: {e}") from None
+
+    return checked
+
+
 class PopulationCodec:
     """Population payloads <-> bytes, with every check a receiver needs."""
 
@@ -113,6 +131,7 @@ class PopulationCodec:
         body = b"".join(parts)
         return body + _CRC.pack(zlib.crc32(body))
 
+    @_payload_errors
     def decode(
         self,
         data: bytes,
@@ -129,26 +148,6 @@ class PopulationCodec:
         `offset`, exactly `n_values` values, the receiver's `base` digest, exactly
         `n_directions` directions of at most `max_triples` triples each. PayloadError on
         anything else."""
-        try:
-            return self._decode(
-                data, kind, round_, offset, n_values, base, n_directions, max_triples
-            )
-        except PayloadError:
-            raise
-        except Exception as e:  # struct errors and anything unforeseen: still a bad payload
-            raise PayloadError(f"malformed population payload: {e}") from None
-
-    def _decode(
-        self,
-        data: bytes,
-        kind: int,
-        round_: int,
-        offset: int,
-        n_values: int,
-        base: bytes,
-        n_directions: int,
-        max_triples: int,
-    ) -> PopulationPayload:
         if not isinstance(data, bytes | bytearray | memoryview):
             raise PayloadError(f"payload is a {type(data).__name__}, not bytes")
         data = bytes(data)

@@ -534,12 +534,7 @@ class StoreTransport:
                 self.stats.oversized += 1
                 out[p] = None
                 continue
-            self.stats.bytes_received += len(data)
-            if len(data) > max_bytes:
-                self.stats.oversized += 1
-                out[p] = None
-            else:
-                out[p] = data
+            out[p] = self.stats.received(data, max_bytes)
         return out
 
     def _store_lost(self, err: Exception, *, step: int) -> None:

@@ -599,12 +599,7 @@ class SwarmTransport:
                     info.stale += 1
                 continue
             self._prove(peer, round_)
-            self.stats.bytes_received += len(got)
-            if len(got) > max_bytes:
-                self.stats.oversized += 1
-                out[peer] = None
-            else:
-                out[peer] = got
+            out[peer] = self.stats.received(got, max_bytes)
         for p in sorted(waited - set(out)):  # waited for in vain this round
             self._silent[p] = self._silent.get(p, 0) + 1
             if self._silent[p] >= s.silent_rounds and p not in self._dropped:

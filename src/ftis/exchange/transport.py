@@ -69,6 +69,15 @@ class TransportStats:
     def copy(self) -> TransportStats:
         return dataclasses.replace(self, lost=dict(self.lost))
 
+    def received(self, data: bytes, max_bytes: int) -> bytes | None:
+        """Count a payload received: `data`, or None (counted oversized) when it is longer than
+        `max_bytes`."""
+        self.bytes_received += len(data)
+        if len(data) > max_bytes:
+            self.oversized += 1
+            return None
+        return data
+
 
 class Transport(Protocol):
     """What every transport offers. `rank` and `world_size` count every rank of the run,

@@ -7,10 +7,11 @@ import logging
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
 from ftis.config import RunConfig
 from ftis.launch.multi import MultiResult
+from ftis.launch.progress import progress_columns
 from ftis.train.checkpoint import checkpoint_step
 from ftis.train.loop import train_node
 from ftis.train.metrics import truncate_run_rows
@@ -72,13 +73,7 @@ def run_local(
     if resume:
         step = checkpoint_step(run_dir / "nodes" / name)
         truncate_run_rows(run_dir, name, after_step=step)
-    columns = [
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[info]}"),
-    ]
+    columns = progress_columns()
     with Progress(*columns, console=console, disable=not cfg.log.progress) as p:
         bar = ProgressBar(p, name, cfg.algorithm.kind)
         res = train_node(

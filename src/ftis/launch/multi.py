@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
 from ftis.config import RunConfig
 from ftis.exchange.store import HOSTED_ENV, SECRET_ENV, Signer, host_store, mark_left, new_secret
+from ftis.launch.progress import progress_columns
 from ftis.launch.stop import DISK_FULL, INTERRUPTED, StopSignals, die_with_parent
 
 
@@ -117,13 +118,7 @@ def run_multi(
     )
     for k in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID"):
         base_env.pop(k, None)
-    columns = [
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[info]}"),
-    ]
+    columns = progress_columns()
     result = MultiResult()
     procs: list[subprocess.Popen] = []
     log_files = []

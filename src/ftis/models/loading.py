@@ -92,15 +92,7 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     except (OSError, ValueError) as e:
         if isinstance(e, ModelLoadError):
             raise
-        if cfg.path is None:  # ftis's own conversion in the cache
-            raise ModelLoadError(
-                f"cannot load the tokenizer converted from {field} in {path}: {e}. Delete that "
-                "directory to convert the model again."
-            ) from e
-        raise ModelLoadError(
-            f"cannot load a tokenizer from model.path={cfg.path!r}: {e}. Give a local directory "
-            "written by save_pretrained, or a Hub name on a machine with network access."
-        ) from e
+        raise _load_error(cfg, path, e, "the tokenizer", "a tokenizer") from e
     if tok.eos_token_id is None:
         raise ModelLoadError(
             f"{field}: the tokenizer has no EOS token, so ftis cannot tell where a completion "
@@ -177,24 +169,33 @@ def build_model(cfg: ModelConfig) -> PreTrainedModel:
         torch.manual_seed(cfg.init_seed)
         model = AutoModelForCausalLM.from_config(preset_config(cfg.preset), dtype=dtype)
     else:
-        from ftis.models.real import resolve_model_dir, source_field
+        from ftis.models.real import resolve_model_dir
 
         path = resolve_model_dir(cfg)
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         except (OSError, ValueError) as e:
-            if cfg.path is None:  # ftis's own conversion in the cache
-                raise ModelLoadError(
-                    f"cannot load the model converted from {source_field(cfg)} in {path}: {e}. "
-                    "Delete that directory to convert the model again."
-                ) from e
-            raise ModelLoadError(
-                f"cannot load a causal LM from model.path={cfg.path!r}: {e}. Give a local "
-                "directory written by save_pretrained, or a Hub name on a machine with network "
-                "access."
-            ) from e
+            raise _load_error(cfg, path, e, "the model", "a causal LM") from e
     model.generation_config.pad_token_id = model.config.pad_token_id
     return model.to(device)
+
+
+def _load_error(
+    cfg: ModelConfig, path: object, e: Exception, ours: str, theirs: str
+) -> ModelLoadError:
+    """Why `from_pretrained` failed: on ftis's own conversion in the cache (`ours`: "the
+    tokenizer"), or on the model.path a user gave (`theirs`: "a tokenizer")."""
+    from ftis.models.real import source_field
+
+    if cfg.path is None:  # ftis's own conversion in the cache
+        return ModelLoadError(
+            f"cannot load {ours} converted from {source_field(cfg)} in {path}: {e}. Delete that "
+            "directory to convert the model again."
+        )
+    return ModelLoadError(
+        f"cannot load {theirs} from model.path={cfg.path!r}: {e}. Give a local directory "
+        "written by save_pretrained, or a Hub name on a machine with network access."
+    )
 
 
 def attach_lora(model: PreTrainedModel, lora: LoraConfig) -> torch.nn.Module:

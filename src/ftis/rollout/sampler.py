@@ -10,7 +10,9 @@ docs/math.md §7.1).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -150,6 +152,27 @@ def sample(
             )
     finally:
         model.train(was_training)
+
+
+def greedy_samples(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    tokenizer: Any,
+    *,
+    max_new_tokens: int,
+    batch_size: int,
+) -> Iterator[Samples]:
+    """One greedy (temperature 0) completion of every prompt, `batch_size` prompts at a time."""
+    for start in range(0, len(prompts), batch_size):
+        yield sample(
+            model,
+            prompts[start : start + batch_size],
+            num_samples=1,
+            max_new_tokens=max_new_tokens,
+            eos_id=tokenizer.eos_token_id,
+            pad_id=tokenizer.pad_token_id,
+            temperature=0.0,
+        )
 
 
 def _sample_loop(

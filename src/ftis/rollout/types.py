@@ -126,6 +126,19 @@ class RolloutBatch:
         t = self.completion_ids.shape[1]
         return torch.arange(t, device=self.lengths.device)[None, :] < self.lengths[:, None]
 
+    def with_completions(
+        self, completion_ids: torch.Tensor, lengths: torch.Tensor, sampler_logprobs: torch.Tensor
+    ) -> RolloutBatch:
+        """The same prompts and generators (copies) with other completions and log-probs: a
+        rewritten batch (an adversary's, an attacker's; no text, nothing bridged)."""
+        return RolloutBatch(
+            prompt_index=self.prompt_index.clone(),
+            generator=self.generator.clone(),
+            completion_ids=completion_ids,
+            lengths=lengths,
+            sampler_logprobs=sampler_logprobs,
+        )
+
     def select(self, idx: torch.Tensor) -> RolloutBatch:
         """Sub-batch of the sequences at ``idx`` (an index or bool mask over N)."""
         return RolloutBatch(

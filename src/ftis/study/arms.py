@@ -23,30 +23,35 @@ from scratch), `--only` and `--dry-run` are those of `ftis sweep` (ftis.study.ru
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-from ftis.config import ConfigError, RunConfig, format_validation_error, load_config
+from ftis.config import ConfigError, RunConfig, load_config
 from ftis.study import tables
 from ftis.study.document import reading_lines
+from ftis.study.engine import plan_table as engine_plan_table
 from ftis.study.registry import get_study_renderer
-from ftis.study.runner import complete_runs, plan
-from ftis.study.spec import _ID, RunSpec, Study, StudyError
+from ftis.study.runner import complete_runs
+from ftis.study.spec import (
+    _ID,
+    RunSpec,
+    StrictModel,
+    Study,
+    StudyError,
+    is_study_of_kind,
+    read_spec,
+)
 from ftis.study.tables import code_line, invocations_line, rel, seconds_cell, table
 from ftis.train.metrics import read_metrics
 
 KIND = "arms"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ArmSpec(_Strict):
+class ArmSpec(StrictModel):
     """One arm: a run config and its overrides."""
 
     config: str = Field(description="Run config, relative to the study file.")
@@ -57,7 +62,7 @@ class ArmSpec(_Strict):
     set: list[str] = Field(default_factory=list, description="Overrides; {seed} = the seed.")
 
 
-class ArmsStudySpec(_Strict):
+class ArmsStudySpec(StrictModel):
     kind: Literal["arms"]
     name: str = Field(description="Study name; default output runs/study-<name>.")
     description: str = Field("", description="A paragraph for the results document.")
@@ -127,27 +132,13 @@ class ArmResult:
 
 def is_arms_study(path: str | Path) -> bool:
     """True when `path` is a YAML study with `kind: arms`."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
-        return False
-    return isinstance(data, dict) and data.get("kind") == KIND
+    return is_study_of_kind(path, KIND)
 
 
 def load_arms_study(path: str | Path) -> Study:
     """Read, validate and expand an arms study (a Study whose runs are ArmRuns)."""
     path = Path(path)
-    if not path.exists():
-        raise StudyError(f"study file {str(path)!r} does not exist; give a YAML path")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-        spec = ArmsStudySpec.model_validate(data)
-    except yaml.YAMLError as e:
-        raise StudyError(f"study file {str(path)!r} is not valid YAML: {e}") from e
-    except ValidationError as e:
-        raise StudyError(
-            f"study {path}: " + format_validation_error(e).replace("config", "study", 1)
-        ) from None
+    spec = read_spec(path, ArmsStudySpec)
     runs = []
     for seed in spec.seeds:
         for key, arm in spec.arms.items():
@@ -185,12 +176,8 @@ def collect(study: Study, out_dir: Path) -> tuple[list[ArmResult], list[str]]:
     return results, missing
 
 
-def plan_table(
-    study: Study, *, out_dir: Path | None = None, only: str | None = None
-) -> tuple[list[str], list[list[str]]]:
-    """The `--dry-run` table: run, arm, seed, status."""
-    rows = [[r.id, r.variant, str(r.seed), s] for r, s in plan(study, out_dir=out_dir, only=only)]
-    return ["run", "arm", "seed", "status"], rows
+# The `--dry-run` table: run, arm, seed, status (the engine's, an arm for its variant).
+plan_table = functools.partial(engine_plan_table, variant="arm")
 
 
 def write_arms_results(

@@ -78,11 +78,11 @@ def plan(study: Any, *, out_dir: Path | None = None, only: str | None = None) ->
 
 
 def plan_table(
-    study: Any, *, out_dir: Path | None = None, only: str | None = None
+    study: Any, *, out_dir: Path | None = None, only: str | None = None, variant: str = "variant"
 ) -> tuple[list[str], list[list[str]]]:
-    """The default `--dry-run` table: run id, variant, seed, status."""
+    """The default `--dry-run` table: run id, variant (headed `variant`), seed, status."""
     rows = [[r.id, r.variant, str(r.seed), s] for r, s in plan(study, out_dir=out_dir, only=only)]
-    return ["run", "variant", "seed", "status"], rows
+    return ["run", variant, "seed", "status"], rows
 
 
 def dry_run(

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ftis.plugins import registered
 from ftis.plugins import resolve as _resolve
 
 Target = str | Callable[..., Any]
@@ -142,14 +143,14 @@ def get_study_renderer(name: str, kind: str | None = None) -> StudyRenderer:
 
 def get_study_kind(name: str) -> StudyKind:
     """The registered study kind `name`, or a ValueError listing the known ones."""
-    if name not in STUDY_KINDS:
-        _load_systems()
-    if name not in STUDY_KINDS:
-        raise ValueError(
-            f"kind: {name!r} is not a study kind; choose one of: {', '.join(sorted(STUDY_KINDS))}"
+    return registered(
+        STUDY_KINDS,
+        name,
+        lambda known: (
+            f"kind: {name!r} is not a study kind; choose one of: {known}"
             " (or leave `kind` out for a grid study)"
-        )
-    return STUDY_KINDS[name]
+        ),
+    )
 
 
 register_study_kind("grid", "ftis.study.spec:load_study")  # renderer: its `results` (default ftis)

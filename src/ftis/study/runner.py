@@ -20,10 +20,11 @@ from typing import Any, Literal
 
 import yaml
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
 from ftis import rundir
 from ftis.config import RunConfig
+from ftis.launch.progress import progress_columns
 from ftis.study.spec import RunSpec, Study
 from ftis.train.metrics import read_metrics
 
@@ -57,13 +58,18 @@ def run_status(run_dir: Path, cfg: RunConfig) -> Status:
     return "done" if all(n.name in last for n in cfg.nodes) else "incomplete"
 
 
-def complete_runs(study: Any, out_dir: Path) -> tuple[list[tuple[Any, Path, dict]], list[str]]:
+def complete_runs(
+    study: Any, out_dir: Path, status: Callable[[Any, Path], str] | None = None
+) -> tuple[list[tuple[Any, Path, dict]], list[str]]:
     """(run, its directory, its study-run.json) of every complete run of a study, in the study's
-    order, and the ids of the runs that are not complete: what every renderer's collect reads."""
+    order, and the ids of the runs that are not complete: what every renderer's collect reads.
+    `status(run, run_dir)` says "done" of a complete run (default: every node logged its last
+    step), as a study kind's status hook does."""
     done, missing = [], []
     for run in study.runs:
         d = Path(out_dir) / run.id
-        if run_status(d, run.config) != "done":
+        state = run_status(d, run.config) if status is None else status(run, d)
+        if state != "done":
             missing.append(run.id)
             continue
         try:
@@ -179,13 +185,7 @@ def run_study(
         f", {jobs} at a time" if jobs > 1 else "",
     )
     t_start = time.time()
-    columns = [
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[info]}"),
-    ]
+    columns = progress_columns()
     with Progress(*columns, console=console) as progress:
         bar = progress.add_task(f"study {study.spec.name}", total=len(todo), info="")
         sweep = _Sweep(outcome, progress, bar, len(todo), t_start)

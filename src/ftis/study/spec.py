@@ -27,7 +27,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -50,22 +50,27 @@ _KEY = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 SCHEME_TAGS = {"horizontal": "h", "joint": "j"}
 
 
+M = TypeVar("M", bound=BaseModel)
+
+
 class StudyError(ValueError):
     """A study file is invalid; the message says where and how to fix it."""
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """A study file's section: unknown keys are errors."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-class PairingSpec(_Strict):
+class PairingSpec(StrictModel):
     config: str = Field(description="Base run config (YAML), relative to the study file.")
     label: str | None = Field(None, description="Display name in the results; default: the key.")
     description: str = Field("", description="One line for the results document.")
     set: list[str] = Field(default_factory=list, description="Overrides for this pairing only.")
 
 
-class MethodSpec(_Strict):
+class MethodSpec(StrictModel):
     loss: str = Field(description="loss.method given to every node of the run.")
     label: str | None = Field(None, description="Display name, e.g. 'F-TIS'; default: the key.")
     alone: bool = Field(
@@ -111,7 +116,7 @@ class MethodSpec(_Strict):
         return v
 
 
-class GridBlock(_Strict):
+class GridBlock(StrictModel):
     """A cartesian product of pairings x methods x schemes x thresholds x seeds."""
 
     pairings: list[str] = Field(min_length=1)
@@ -126,7 +131,7 @@ class GridBlock(_Strict):
     seeds: list[int] | None = Field(None, description="Default: the study's seeds.")
 
 
-class StudySpec(_Strict):
+class StudySpec(StrictModel):
     kind: Literal["grid"] = Field("grid", description="A grid study (the default kind).")
     name: str = Field(description="Study name; default output runs/study-<name>.")
     description: str = Field("", description="A paragraph for the results document.")
@@ -224,7 +229,8 @@ class Study:
         return [r for r in self.runs if fnmatch.fnmatchcase(r.id, pattern)]
 
 
-def read_study_spec(path: str | Path) -> StudySpec:
+def read_spec(path: str | Path, model: type[M]) -> M:
+    """A study file read and validated as `model` (StudyError naming what is wrong)."""
     path = Path(path)
     if not path.exists():
         raise StudyError(f"study file {str(path)!r} does not exist; give a YAML path")
@@ -233,11 +239,25 @@ def read_study_spec(path: str | Path) -> StudySpec:
     except yaml.YAMLError as e:
         raise StudyError(f"study file {str(path)!r} is not valid YAML: {e}") from e
     try:
-        return StudySpec.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as e:
         raise StudyError(
             f"study {path}: " + format_validation_error(e).replace("config", "study", 1)
         ) from None
+
+
+def is_study_of_kind(path: str | Path, kind: str) -> bool:
+    """True when `path` is a YAML study with `kind: <kind>` (anything else: False, and the
+    ordinary study reader reports what is wrong with it)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and data.get("kind") == kind
+
+
+def read_study_spec(path: str | Path) -> StudySpec:
+    return read_spec(path, StudySpec)
 
 
 def _fmt_threshold(g: float) -> str:

@@ -73,13 +73,11 @@ def register_task(
 
 def get_task(kind: str) -> TaskSpec:
     """The registered task `kind` (plugins loaded if needed), or a ValueError listing them."""
-    if kind not in TASKS:
-        from ftis.plugins import load_plugins
+    from ftis.plugins import registered
 
-        load_plugins()
-    if kind not in TASKS:
-        raise ValueError(f"unknown task kind {kind!r}; choose one of: {', '.join(sorted(TASKS))}")
-    return TASKS[kind]
+    return registered(
+        TASKS, kind, lambda known: f"unknown task kind {kind!r}; choose one of: {known}"
+    )
 
 
 def _task_config(value: Any) -> Any:
@@ -91,21 +89,24 @@ def _task_config(value: Any) -> Any:
     if not isinstance(value, Mapping):
         raise ValueError("must be a mapping with a kind, e.g. {kind: arithmetic}")
     kind = str(value.get("kind", "arithmetic"))
-    spec = get_task(kind)
-    try:
-        return spec.config.model_validate({**value, "kind": kind})
-    except ValidationError as e:
-        from ftis.validation import format_validation_error
+    from ftis.validation import validate_section
 
-        raise ValueError(
-            format_validation_error(
-                e, header="", indent="", sep="; ", model=spec.config, prefix="task."
-            )
-        ) from None
+    return validate_section(get_task(kind).config, {**value, "kind": kind}, "task.")
 
 
 # What a run config's `task` holds: any registered task's config, chosen by `kind`.
 TaskConfig = Annotated[SerializeAsAny[TaskConfigBase], BeforeValidator(_task_config)]
+
+
+def check_task_section(data: Any, where: str) -> None:
+    """Validate `data` as a run's `task` section (a node's or client's own task): ValueError
+    `<where>: <field>: <what is wrong>` for the first problem."""
+    try:
+        TypeAdapter(TaskConfig).validate_python(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise ValueError(f"{where}: {loc}: {err['msg'].removeprefix('Value error, ')}") from None
 
 
 def build_task(cfg: TaskConfigBase | Mapping[str, Any], *, reward: Any = None) -> Task:

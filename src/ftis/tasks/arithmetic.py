@@ -22,19 +22,29 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
-import operator
 import random
-import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from hashlib import blake2b
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ftis.tasks.base import Problem, TaskConfigBase, TaskDataError, as_id_list, plain_prompt_ids
+from ftis.tasks.base import Problem, TaskDataError, as_id_list
+from ftis.tasks.generated import (  # noqa: F401  (TRAIN_SIZE, HELDOUT_BUCKETS, is_heldout: its API)
+    ENUMERATE_LIMIT,
+    HELDOUT_BUCKETS,
+    MAX_DRAWS_PER_PROBLEM,
+    TRAIN_SIZE,
+    Generator,
+    SeededTask,
+    SeededTaskConfig,
+    VirtualSplit,
+    digest,
+    is_heldout,
+    merged,
+    weighted_names,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -42,11 +52,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 OPS = ("+", "-", "*")
-TRAIN_SIZE = 10**9  # length of the virtual train split
-HELDOUT_BUCKETS = 16  # 1 bucket in 16 (bucket 0) is reserved for evaluation
-ENUMERATE_LIMIT = 200_000  # spaces up to this many questions are enumerated exactly
-MAX_DRAWS_PER_PROBLEM = 1_000  # rejection-sampling budget for one train problem
-_SPLIT_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 # --------------------------------------------------------------------------------------- config
@@ -76,16 +81,13 @@ class ArithmeticVariant(BaseModel):
     size: int = Field(default=256, description="Number of distinct held-out problems in the split.")
 
 
-class ArithmeticTaskConfig(TaskConfigBase):
+class ArithmeticTaskConfig(SeededTaskConfig):
     """The embedded arithmetic task: a problem space, a seed and the evaluation splits."""
 
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["arithmetic"] = Field(default="arithmetic", description="Task selector.")
     default_reward: ClassVar[str | None] = "builtin:exact_match"
-    seed: int = Field(
-        default=0, description="Seed of every split; all peers must share it to share indices."
-    )
     ops: dict[str, float] = Field(
         default_factory=lambda: {"+": 1.0, "-": 1.0},
         description='Sampling weights over the operations "+", "-", "*" (need not sum to 1).',
@@ -109,16 +111,8 @@ class ArithmeticTaskConfig(TaskConfigBase):
 
     @model_validator(mode="after")
     def _check(self) -> ArithmeticTaskConfig:
-        space = _space_from(self, None, "")
-        _check_pool("test_size", self.test_size, space)
-        for name, variant in self.ood.items():
-            if not _SPLIT_NAME.fullmatch(name) or name in ("train", "test"):
-                raise ValueError(
-                    f"ood split name {name!r} is not allowed: use letters, digits, '_', '.', '-' "
-                    "and not 'train' or 'test' (the name appears in metric keys)"
-                )
-            where = f"ood[{name!r}]."
-            _check_pool(where + "size", variant.size, _space_from(self, variant, where))
+        for _, _, space, size, field in _GENERATOR.eval_spaces(self):
+            _GENERATOR.check_pool(field, size, space)
         return self
 
 
@@ -157,26 +151,22 @@ def _space_from(cfg: ArithmeticTaskConfig, variant: ArithmeticVariant | None, wh
     """Merge a variant over the train space and validate it; ``where`` prefixes field names."""
 
     def pick(field: str) -> Any:
-        value = None if variant is None else getattr(variant, field)
-        return getattr(cfg, field) if value is None else value
+        return merged(cfg, variant, field)
 
     ops, min_d, max_d, terms, max_ans = (
         pick(f) for f in ("ops", "min_digits", "max_digits", "terms", "max_answer_digits")
     )
-    unknown = sorted(set(ops) - set(OPS))
-    if unknown:
-        raise ValueError(
-            f"{where}ops has unknown operation(s) {unknown}: use any of '+', '-', '*', "
-            "e.g. ops: {'+': 1.0, '*': 0.5}"
-        )
-    bad = {op: w for op, w in ops.items() if not (math.isfinite(w) and w >= 0)}
-    if bad:
-        raise ValueError(f"{where}ops weights must be finite and >= 0, got {bad}")
-    positive = tuple((op, float(ops[op])) for op in OPS if ops.get(op, 0.0) > 0)
-    if not positive:
-        raise ValueError(
-            f"{where}ops weights are all zero ({ops}): give at least one operation a positive weight"
-        )
+    names = weighted_names(
+        ops,
+        OPS,
+        where,
+        "ops",
+        unknown_what="operation(s)",
+        choices="'+', '-', '*'",
+        example="{'+': 1.0, '*': 0.5}",
+        zero_hint="give at least one operation a positive weight",
+    )
+    positive = tuple((op, float(ops[op])) for op in names)
     if not 1 <= min_d <= max_d <= 9:
         raise ValueError(
             f"{where}min_digits={min_d}, max_digits={max_d}: need 1 <= min_digits <= max_digits <= 9"
@@ -188,32 +178,7 @@ def _space_from(cfg: ArithmeticTaskConfig, variant: ArithmeticVariant | None, wh
     return _Space(positive, min_d, max_d, terms, max_ans)
 
 
-def _check_pool(field: str, size: int, space: _Space) -> None:
-    """Fail early when a held-out split asks for more distinct problems than exist."""
-    if size < 1:
-        raise ValueError(f"{field}={size}: an evaluation split needs at least 1 problem")
-    if space.size <= ENUMERATE_LIMIT:
-        available = len(_heldout_pool(space))
-    else:  # about size/16 are held out; ask for at most half of them so draws stay fast
-        available = space.size // (2 * HELDOUT_BUCKETS)
-    if size > available:
-        raise ValueError(
-            f"{field}={size} is more than the {available} held-out problems available "
-            f"({space.describe()}; 1 in {HELDOUT_BUCKETS} is held out for evaluation). "
-            f"Lower {field}, or widen the space (max_digits, terms, ops)."
-        )
-
-
 # ------------------------------------------------------------------------------------ generation
-
-
-def _digest(text: str) -> bytes:
-    return blake2b(text.encode(), digest_size=16).digest()
-
-
-def is_heldout(question: str) -> bool:
-    """True when ``question`` belongs to the evaluation partition (bucket 0 of 16)."""
-    return int.from_bytes(_digest(question)[:8], "little") % HELDOUT_BUCKETS == 0
 
 
 def evaluate(operands: Sequence[int], ops: Sequence[str]) -> int:
@@ -241,7 +206,7 @@ def _fits(space: _Space, value: int) -> bool:
 
 def _draw(space: _Space, seed: int, stream: str, i: int, attempt: int) -> tuple[str, int] | None:
     """One random question from ``(seed, stream, i, attempt)``; None if its answer is too long."""
-    rng = random.Random(int.from_bytes(_digest(f"{seed}|{stream}|{i}|{attempt}"), "little"))
+    rng = random.Random(int.from_bytes(digest(f"{seed}|{stream}|{i}|{attempt}"), "little"))
     operands = []
     for _ in range(space.terms):
         digits = rng.randint(space.min_digits, space.max_digits)
@@ -291,80 +256,28 @@ def _train_problem(space: _Space, seed: int, i: int) -> Problem:
     )
 
 
-def _heldout_split(
-    space: _Space, seed: int, stream: str, size: int, field: str
-) -> tuple[Problem, ...]:
-    """``size`` distinct held-out problems, drawn from ``(seed, stream, j)`` for j = 0, 1, ..."""
-    seen: dict[str, int] = {}
-    budget = 64 * HELDOUT_BUCKETS * size + 10_000
-    fitting = 0  # draws whose answer is short enough
-    for j in range(budget):
-        if len(seen) == size:
-            break
-        drawn = _draw(space, seed, stream, j, 0)
-        if drawn is None:
-            if j + 1 == MAX_DRAWS_PER_PROBLEM and fitting == 0:
-                raise TaskDataError(
-                    f"{field}: no problem among the first {j + 1} draws has an answer of at most "
-                    f"max_answer_digits={space.max_answer_digits} digits ({space.describe()}); "
-                    "raise max_answer_digits or use fewer digits, fewer terms or less '*'"
-                )
-            continue
-        fitting += 1
-        if drawn[0] not in seen and is_heldout(drawn[0]):
-            seen[drawn[0]] = drawn[1]
-    if len(seen) < size and space.size <= ENUMERATE_LIMIT:
-        # Random draws stall near the end of a small pool (coupon collector): fill the rest from
-        # the enumerated pool in a seeded order.
-        rest = [qa for qa in _heldout_pool(space) if qa[0] not in seen]
-        random.Random(int.from_bytes(_digest(f"{seed}|{stream}|fill"), "little")).shuffle(rest)
-        seen.update(rest[: size - len(seen)])
-    if len(seen) < size:
-        raise TaskDataError(
-            f"{field}={size}: found only {len(seen)} distinct held-out problems in {budget} draws "
-            f"({space.describe()}); lower {field}, raise max_answer_digits or widen the space"
-        )
-    return tuple(
-        Problem(index=k, question=q, answer=str(v)) for k, (q, v) in enumerate(seen.items())
-    )
-
-
-class TrainSplit(Sequence[Problem]):
-    """The virtual train split: item ``i`` is generated from ``(seed, "train", i)`` on access."""
-
-    def __init__(self, space: _Space, seed: int) -> None:
-        self._space, self._seed = space, seed
-
-    def __len__(self) -> int:
-        return TRAIN_SIZE
-
-    @overload
-    def __getitem__(self, i: int) -> Problem: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[Problem]: ...
-    def __getitem__(self, i: int | slice) -> Problem | list[Problem]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(TRAIN_SIZE))]
-        i = operator.index(i)
-        if i < 0:
-            i += TRAIN_SIZE
-        if not 0 <= i < TRAIN_SIZE:
-            raise IndexError(f"train index {i} out of range [0, {TRAIN_SIZE})")
-        return _train_problem(self._space, self._seed, i)
-
-    def __contains__(self, item: object) -> bool:  # the inherited one would scan 10**9 items
-        return (
-            isinstance(item, Problem) and 0 <= item.index < TRAIN_SIZE and self[item.index] == item
-        )
-
-    def __iter__(self) -> Iterator[Problem]:
-        return (self[i] for i in range(TRAIN_SIZE))
+_GENERATOR = Generator(
+    space_from=_space_from,
+    draw=_draw,
+    pool=_heldout_pool,
+    widen="max_digits, terms, ops",
+    split_name_chars="_.-",
+    too_few=lambda space, field, found, budget: (
+        f"found only {found} distinct held-out problems in {budget} draws "
+        f"({space.describe()}); lower {field}, raise max_answer_digits or widen the space"
+    ),
+    nothing_fits=lambda space, field, draws: (
+        f"{field}: no problem among the first {draws} draws has an answer of at most "
+        f"max_answer_digits={space.max_answer_digits} digits ({space.describe()}); "
+        "raise max_answer_digits or use fewer digits, fewer terms or less '*'"
+    ),
+)
 
 
 # ------------------------------------------------------------------------------------------ task
 
 
-class ArithmeticTask:
+class ArithmeticTask(SeededTask):
     """Embedded arithmetic task; implements ``ftis.tasks.base.Task``.
 
     The config is re-validated here, so ``ArithmeticTask(cfg.model_copy(update={"ops": {...}}))``
@@ -372,38 +285,14 @@ class ArithmeticTask:
     """
 
     name = "arithmetic"
+    config = ArithmeticTaskConfig
+    generator = _GENERATOR
 
     def __init__(self, cfg: ArithmeticTaskConfig | Mapping[str, Any] | None = None) -> None:
-        raw = {} if cfg is None else (cfg if isinstance(cfg, Mapping) else dict(cfg))
-        self.cfg = ArithmeticTaskConfig.model_validate(raw)
-        train_space = _space_from(self.cfg, None, "")
-        self._train = TrainSplit(train_space, self.cfg.seed)
-        self._eval: dict[str, tuple[Problem, ...]] = {
-            "test": _heldout_split(
-                train_space, self.cfg.seed, "test", self.cfg.test_size, "test_size"
-            )
-        }
-        for name, variant in self.cfg.ood.items():
-            where = f"ood[{name!r}]."
-            space = _space_from(self.cfg, variant, where)
-            self._eval[name] = _heldout_split(
-                space, self.cfg.seed, f"ood:{name}", variant.size, where + "size"
-            )
-        self.eval_splits: tuple[str, ...] = tuple(self._eval)
+        super().__init__(cfg)
+        space, seed = _space_from(self.cfg, None, ""), self.cfg.seed
+        self._train = VirtualSplit(lambda i: _train_problem(space, seed, i), "train ")
         logger.debug("arithmetic task: %s", {k: len(v) for k, v in self._eval.items()})
-
-    def split(self, name: str) -> Sequence[Problem]:
-        if name == "train":
-            return self._train
-        if name in self._eval:
-            return self._eval[name]
-        raise ValueError(
-            f"arithmetic task has no split {name!r}; use one of {['train', *self._eval]}"
-        )
-
-    def prompt_ids(self, problem: Problem, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-        """``[bos] + tokens(question)``: no chat template; BOS only if the tokenizer has one."""
-        return plain_prompt_ids(tokenizer, problem.question)
 
     def reward(self, problem: Problem, completion: str) -> float:
         """1.0 when the completion, stripped of surrounding whitespace, is the exact answer."""

@@ -81,6 +81,9 @@ class TaskConfigBase(BaseModel):
     # The reward used when none is configured: a registered name ('builtin:gsm8k'), OWN_REWARD
     # (the task's own `reward` method, for plugin tasks), or None (one must be configured).
     default_reward: ClassVar[str | None] = OWN_REWARD
+    # A task whose warm start trains on a column of its rows (`warmstart_field`): why it cannot
+    # warm start while that column is not set (None: the task needs no such column).
+    no_warmstart_field: ClassVar[str | None] = None
 
     @field_validator("reward", mode="before")
     @classmethod
@@ -89,6 +92,8 @@ class TaskConfigBase(BaseModel):
 
     def warm_start_refusal(self) -> str | None:
         """Why this task cannot give a supervised warm start (None when it can)."""
+        if self.no_warmstart_field and getattr(self, "warmstart_field", None) is None:
+            return self.no_warmstart_field
         return None
 
 
@@ -126,3 +131,14 @@ def plain_prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]
     if bos is not None and (not ids or ids[0] != bos):
         ids.insert(0, int(bos))
     return ids
+
+
+def named_split(
+    task: str, name: str, train: Sequence[Problem], evals: Mapping[str, Sequence[Problem]]
+) -> Sequence[Problem]:
+    """A task's split by name: "train", or one of its evaluation splits."""
+    if name == "train":
+        return train
+    if name in evals:
+        return evals[name]
+    raise ValueError(f"{task} task has no split {name!r}; use one of {['train', *evals]}")

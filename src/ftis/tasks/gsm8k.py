@@ -243,21 +243,36 @@ def read_records(
     raise TaskDataError(f"{field}: {path} has suffix {suffix!r}; use .jsonl, .json or .parquet")
 
 
-def _load_hub(spec: str, *, field: str, default_split: str) -> list[dict[str, Any]]:
-    parts = spec[len(HF_SCHEME) :].split(":")
+def hub_spec_parts(body: str, default_split: str) -> tuple[str, str | None, str] | None:
+    """`WHERE[:CONFIG[:SPLIT]]` (what follows hf://) -> (where, config or None, split or
+    `default_split`); None when it has more parts."""
+    parts = body.split(":")
     if len(parts) > 3:
-        raise TaskDataError(f"{field}={spec!r}: write it as hf://REPO[:CONFIG[:SPLIT]]")
-    repo = parts[0]
+        return None
     config = parts[1] if len(parts) > 1 and parts[1] else None
     split = parts[2] if len(parts) > 2 and parts[2] else default_split
+    return parts[0], config, split
+
+
+def import_datasets(missing: str) -> Any:
+    """The `datasets` package; TaskDataError(`missing`) when it is not installed."""
     try:
         import datasets
     except ImportError as e:
-        raise TaskDataError(
-            f"{field}={spec!r} loads from the Hugging Face Hub, which needs the `datasets` package "
-            "and a network (pip install datasets); or save the split as .jsonl/.parquet and point "
-            f"{field} at the file"
-        ) from e
+        raise TaskDataError(missing) from e
+    return datasets
+
+
+def _load_hub(spec: str, *, field: str, default_split: str) -> list[dict[str, Any]]:
+    parsed = hub_spec_parts(spec[len(HF_SCHEME) :], default_split)
+    if parsed is None:
+        raise TaskDataError(f"{field}={spec!r}: write it as hf://REPO[:CONFIG[:SPLIT]]")
+    repo, config, split = parsed
+    datasets = import_datasets(
+        f"{field}={spec!r} loads from the Hugging Face Hub, which needs the `datasets` package "
+        "and a network (pip install datasets); or save the split as .jsonl/.parquet and point "
+        f"{field} at the file"
+    )
     try:
         ds = datasets.load_dataset(repo, config, split=split)
     except Exception as e:
@@ -477,6 +492,15 @@ def chat_template_in_use(setting: bool | None, tokenizer: PreTrainedTokenizerBas
             "null (auto) or false, or use a tokenizer with a template"
         )
     return has_template and setting is not False
+
+
+def chat_template_field(plain: str) -> Any:
+    """A task config's `use_chat_template` field; `plain` is what the prompt is without one."""
+    return Field(
+        None,
+        description="null = the tokenizer's chat template when it has one, false = always the "
+        f"{plain}, true = require a template.",
+    )
 
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, system: str, question: str) -> list[int]:

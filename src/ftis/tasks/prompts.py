@@ -29,8 +29,22 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ftis.tasks.base import Problem, TaskConfigBase, TaskDataError, as_id_list, plain_prompt_ids
-from ftis.tasks.gsm8k import HF_SCHEME, Records, chat_template_in_use, read_records
+from ftis.tasks.base import (
+    Problem,
+    TaskConfigBase,
+    TaskDataError,
+    as_id_list,
+    plain_prompt_ids,
+)
+from ftis.tasks.gsm8k import (
+    HF_SCHEME,
+    Records,
+    chat_template_field,
+    chat_template_in_use,
+    hub_spec_parts,
+    import_datasets,
+    read_records,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -43,6 +57,10 @@ class PromptsTaskConfig(TaskConfigBase):
 
     kind: Literal["prompts"] = Field(default="prompts", description="Task selector.")
     default_reward: ClassVar[str | None] = None  # the reward must be configured
+    no_warmstart_field: ClassVar[str | None] = (
+        "the prompts task has no supervised target: set task.warmstart_field to a column "
+        "holding completions in the format your reward expects, or remove warm_start"
+    )
 
     train_file: str = Field(
         description="Rows: a .jsonl/.json/.parquet/.csv file, a local dataset directory (a path "
@@ -65,11 +83,7 @@ class PromptsTaskConfig(TaskConfigBase):
     system_prompt: str | None = Field(
         None, description="System message put before each `prompt` row's question (not `messages`)."
     )
-    use_chat_template: bool | None = Field(
-        None,
-        description="null = the tokenizer's chat template when it has one, false = always the "
-        "plain 'role: content' text, true = require a template.",
-    )
+    use_chat_template: bool | None = chat_template_field("plain 'role: content' text")
     warmstart_field: str | None = Field(
         None,
         description="Column holding a completion in the format your reward wants; a warm start "
@@ -92,14 +106,6 @@ class PromptsTaskConfig(TaskConfigBase):
         if not self.train_file.strip():
             raise ValueError("train_file is empty: give a .jsonl/.parquet/.csv path or a directory")
         return self
-
-    def warm_start_refusal(self) -> str | None:
-        if self.warmstart_field is None:
-            return (
-                "the prompts task has no supervised target: set task.warmstart_field to a column "
-                "holding completions in the format your reward expects, or remove warm_start"
-            )
-        return None
 
 
 SKIP_HINT = "; fix the row, or set task.skip_bad_rows: true to skip and count such rows"
@@ -143,19 +149,14 @@ def read_rows(spec: str, *, field: str, default_split: str, skip_bad: bool = Fal
 
 def _load_dataset(spec: str, *, field: str, default_split: str) -> list[dict[str, Any]]:
     body = spec[len(HF_SCHEME) :] if spec.startswith(HF_SCHEME) else spec
-    parts = body.split(":")
-    if len(parts) > 3 or not parts[0]:
+    parsed = hub_spec_parts(body, default_split)
+    if parsed is None or not parsed[0]:
         raise TaskDataError(f"{field}={spec!r}: write it as hf:///abs/dir[:CONFIG[:SPLIT]]")
-    where = parts[0]
-    config = parts[1] if len(parts) > 1 and parts[1] else None
-    split = parts[2] if len(parts) > 2 and parts[2] else default_split
-    try:
-        import datasets
-    except ImportError as e:
-        raise TaskDataError(
-            f"{field}={spec!r} needs the `datasets` package: pip install 'ftis[datasets]', or "
-            "save the rows as .jsonl/.parquet/.csv"
-        ) from e
+    where, config, split = parsed
+    datasets = import_datasets(
+        f"{field}={spec!r} needs the `datasets` package: pip install 'ftis[datasets]', or "
+        "save the rows as .jsonl/.parquet/.csv"
+    )
     try:
         if Path(where).is_dir() and any(
             (Path(where) / f).is_file() for f in ("dataset_dict.json", "state.json")

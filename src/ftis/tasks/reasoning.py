@@ -48,7 +48,7 @@ Problem generation follows ``ftis.tasks.arithmetic`` (same discipline, same part
   private ``random.Random``); the train split is a virtual, index-addressable sequence of
   ``TRAIN_SIZE`` items, so peers exchange prompt indices, never text.
 - Held-out partition: a question is reserved for evaluation when its blake2b hash falls in
-  bucket 0 of 16 (``ftis.tasks.arithmetic.is_heldout``, the very same function). Train draws
+  bucket 0 of 16 (``ftis.tasks.generated.is_heldout``, the very same function). Train draws
   reject held-out questions; evaluation splits keep only held-out ones (distinct, in draw order).
 - A problem: a skill by the ``skills`` weights, a digit count ``d`` uniform in the skill's
   [min_digits, max_digits] (one range for all skills, or one per skill), then operands uniform
@@ -72,31 +72,36 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
-import operator
 import random
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from hashlib import blake2b
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ftis.tasks.arithmetic import HELDOUT_BUCKETS, TRAIN_SIZE, is_heldout
-from ftis.tasks.base import Problem, TaskConfigBase, TaskDataError, plain_prompt_ids
+from ftis.tasks.base import Problem, TaskDataError
+from ftis.tasks.generated import (
+    MAX_DRAWS_PER_PROBLEM,
+    Generator,
+    SeededTask,
+    SeededTaskConfig,
+    VirtualSplit,
+    digest,
+    is_heldout,
+    merged,
+    weighted_names,
+)
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    pass
 
 logger = logging.getLogger(__name__)
 
 SKILLS = ("add", "mul", "sub")  # new skills go last: earlier configs draw as before
 MAX_DIGITS = 8
-ENUMERATE_LIMIT = 200_000  # spaces up to this many questions are enumerated exactly
 MUL_DIGITS = range(2, 10)  # the one-digit multiplier of "mul"
-_SPLIT_NAME = re.compile(r"[A-Za-z0-9_.+-]+")
 
 _STEP = r"\d+(?:[-+*]\d+)+=\d+"
 _COMPLETION = re.compile(rf"(?P<trace>{_STEP}(?:,{_STEP})*)#(?P<answer>-?\d+)")
@@ -143,16 +148,13 @@ class ReasoningVariant(BaseModel):
         return self
 
 
-class ReasoningTaskConfig(TaskConfigBase):
+class ReasoningTaskConfig(SeededTaskConfig):
     """The embedded reasoning task: column arithmetic with a worked trace, from a seed."""
 
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["reasoning"] = Field(default="reasoning", description="Task selector.")
     default_reward: ClassVar[str | None] = "builtin:reasoning"
-    seed: int = Field(
-        default=0, description="Seed of every split; all peers must share it to share indices."
-    )
     skills: dict[str, float] = Field(
         default_factory=lambda: {"add": 1.0, "mul": 1.0},
         description='Sampling weights over the skills "add" (column addition with carries), '
@@ -194,17 +196,10 @@ class ReasoningTaskConfig(TaskConfigBase):
 
     @model_validator(mode="after")
     def _check(self) -> ReasoningTaskConfig:
-        space = _space_from(self, None, "")
-        _check_pool("test_size", self.test_size, space)
-        _pretrain_space(self, space)
-        for name, variant in self.ood.items():
-            if not _SPLIT_NAME.fullmatch(name) or name in ("train", "test"):
-                raise ValueError(
-                    f"ood split name {name!r} is not allowed: use letters, digits, '_', '.', '+', "
-                    "'-' and not 'train' or 'test' (the name appears in metric keys)"
-                )
-            where = f"ood[{name!r}]."
-            _check_pool(where + "size", variant.size, _space_from(self, variant, where))
+        for split, _, space, size, field in _GENERATOR.eval_spaces(self):
+            _GENERATOR.check_pool(field, size, space)
+            if split == "test":  # the train space
+                _pretrain_space(self, space)
         return self
 
 
@@ -262,24 +257,19 @@ def _space_from(cfg: ReasoningTaskConfig, variant: ReasoningVariant | None, wher
     """Merge a variant over the train space and validate it; ``where`` prefixes field names."""
 
     def pick(field: str) -> Any:
-        value = None if variant is None else getattr(variant, field)
-        return getattr(cfg, field) if value is None else value
+        return merged(cfg, variant, field)
 
     skills, terms = pick("skills"), pick("terms")
-    unknown = sorted(set(skills) - set(SKILLS))
-    if unknown:
-        raise ValueError(
-            f"{where}skills has unknown skill(s) {unknown}: use any of {', '.join(SKILLS)}, "
-            "e.g. skills: {add: 1.0, mul: 0.5}"
-        )
-    bad = {s: w for s, w in skills.items() if not (math.isfinite(w) and w >= 0)}
-    if bad:
-        raise ValueError(f"{where}skills weights must be finite and >= 0, got {bad}")
-    names = [s for s in SKILLS if skills.get(s, 0.0) > 0]
-    if not names:
-        raise ValueError(
-            f"{where}skills weights are all zero ({skills}): give one skill a positive weight"
-        )
+    names = weighted_names(
+        skills,
+        SKILLS,
+        where,
+        "skills",
+        unknown_what="skill(s)",
+        choices=", ".join(SKILLS),
+        example="{add: 1.0, mul: 0.5}",
+        zero_hint="give one skill a positive weight",
+    )
     if variant is not None and variant.extra_digits is not None:
         train_max = _per_skill(cfg.max_digits, names, where + "max_digits (train)")
         lo = hi = {s: train_max[s] + variant.extra_digits for s in names}
@@ -311,22 +301,6 @@ def _pretrain_space(cfg: ReasoningTaskConfig, train: _Space) -> _Space:
             f"{MAX_DIGITS}"
         )
     return _Space(skills, train.terms)
-
-
-def _check_pool(field: str, size: int, space: _Space) -> None:
-    """Fail early when a held-out split asks for more distinct problems than exist."""
-    if size < 1:
-        raise ValueError(f"{field}={size}: an evaluation split needs at least 1 problem")
-    if space.size <= ENUMERATE_LIMIT:
-        available = len(_heldout_pool(space))
-    else:  # about size/16 are held out; ask for at most half of them so draws stay fast
-        available = space.size // (2 * HELDOUT_BUCKETS)
-    if size > available:
-        raise ValueError(
-            f"{field}={size} is more than the {available} held-out problems available "
-            f"({space.describe()}; 1 in {HELDOUT_BUCKETS} is held out for evaluation). "
-            f"Lower {field}, or widen the space (max_digits, skills)."
-        )
 
 
 # ------------------------------------------------------------------------------ traces and answers
@@ -419,14 +393,10 @@ def _format(skill: str, operands: Sequence[int]) -> str:
 # ------------------------------------------------------------------------------------ generation
 
 
-def _digest(text: str) -> bytes:
-    return blake2b(text.encode(), digest_size=16).digest()
-
-
 def _draw(space: _Space, seed: int, stream: str, i: int, attempt: int) -> tuple[str, int]:
     """One random (question, value) from ``(seed, stream, i, attempt)``."""
     rng = random.Random(
-        int.from_bytes(_digest(f"reasoning|{seed}|{stream}|{i}|{attempt}"), "little")
+        int.from_bytes(digest(f"reasoning|{seed}|{stream}|{i}|{attempt}"), "little")
     )
     skill = rng.choices(space.skills, [s.weight for s in space.skills])[0]
     d = rng.randint(skill.min_digits, skill.max_digits)
@@ -470,7 +440,7 @@ def _enumerate_heldout(
 
 def _train_problem(space: _Space, seed: int, stream: str, i: int) -> Problem:
     """Problem ``i`` of a virtual split: the first draw whose question is not held out."""
-    for attempt in range(1_000):
+    for attempt in range(MAX_DRAWS_PER_PROBLEM):
         question, value = _draw(space, seed, stream, i, attempt)
         if not is_heldout(question):
             return Problem(index=i, question=question, answer=str(value))
@@ -481,72 +451,26 @@ def _train_problem(space: _Space, seed: int, stream: str, i: int) -> Problem:
 
 def _unit(seed: int, stream: str, i: int) -> float:
     """A uniform number in [0, 1) from ``(seed, stream, i)``."""
-    return int.from_bytes(_digest(f"reasoning|{seed}|{stream}|{i}")[:8], "little") / 2**64
+    return int.from_bytes(digest(f"reasoning|{seed}|{stream}|{i}")[:8], "little") / 2**64
 
 
-def _heldout_split(
-    space: _Space, seed: int, stream: str, size: int, field: str
-) -> tuple[Problem, ...]:
-    """``size`` distinct held-out problems, drawn from ``(seed, stream, j)`` for j = 0, 1, ..."""
-    seen: dict[str, int] = {}
-    budget = 64 * HELDOUT_BUCKETS * size + 10_000
-    for j in range(budget):
-        if len(seen) == size:
-            break
-        question, value = _draw(space, seed, stream, j, 0)
-        if question not in seen and is_heldout(question):
-            seen[question] = value
-    if len(seen) < size and space.size <= ENUMERATE_LIMIT:
-        rest = [qa for qa in _heldout_pool(space) if qa[0] not in seen]
-        random.Random(int.from_bytes(_digest(f"{seed}|{stream}|fill"), "little")).shuffle(rest)
-        seen.update(rest[: size - len(seen)])
-    if len(seen) < size:
-        raise TaskDataError(
-            f"{field}={size}: found only {len(seen)} distinct held-out problems "
-            f"({space.describe()}); lower {field} or widen the space"
-        )
-    return tuple(
-        Problem(index=k, question=q, answer=str(v)) for k, (q, v) in enumerate(seen.items())
-    )
-
-
-class VirtualSplit(Sequence[Problem]):
-    """A split of ``TRAIN_SIZE`` problems, each generated on access by ``make(i)``: the train
-    split (``(seed, "train", i)``) and the warm start's pre-training mix."""
-
-    def __init__(self, make: Callable[[int], Problem]) -> None:
-        self._make = make
-
-    def __len__(self) -> int:
-        return TRAIN_SIZE
-
-    @overload
-    def __getitem__(self, i: int) -> Problem: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[Problem]: ...
-    def __getitem__(self, i: int | slice) -> Problem | list[Problem]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(TRAIN_SIZE))]
-        i = operator.index(i)
-        if i < 0:
-            i += TRAIN_SIZE
-        if not 0 <= i < TRAIN_SIZE:
-            raise IndexError(f"index {i} out of range [0, {TRAIN_SIZE})")
-        return self._make(i)
-
-    def __contains__(self, item: object) -> bool:  # the inherited one would scan 10**9 items
-        return (
-            isinstance(item, Problem) and 0 <= item.index < TRAIN_SIZE and self[item.index] == item
-        )
-
-    def __iter__(self) -> Iterator[Problem]:
-        return (self[i] for i in range(TRAIN_SIZE))
+_GENERATOR = Generator(
+    space_from=_space_from,
+    draw=_draw,
+    pool=_heldout_pool,
+    widen="max_digits, skills",
+    split_name_chars="_.+-",
+    too_few=lambda space, field, found, _: (
+        f"found only {found} distinct held-out problems ({space.describe()}); "
+        f"lower {field} or widen the space"
+    ),
+)
 
 
 # ------------------------------------------------------------------------------------------ task
 
 
-class ReasoningTask:
+class ReasoningTask(SeededTask):
     """Embedded reasoning task; implements ``ftis.tasks.base.Task``.
 
     The config is re-validated here, so a ``model_copy(update=...)`` (which skips pydantic
@@ -554,10 +478,11 @@ class ReasoningTask:
     """
 
     name = "reasoning"
+    config = ReasoningTaskConfig
+    generator = _GENERATOR
 
     def __init__(self, cfg: ReasoningTaskConfig | Mapping[str, Any] | None = None) -> None:
-        raw = {} if cfg is None else (cfg if isinstance(cfg, Mapping) else dict(cfg))
-        self.cfg = ReasoningTaskConfig.model_validate(raw)
+        super().__init__(cfg)
         seed = self.cfg.seed
         train_space = _space_from(self.cfg, None, "")
         longer = _pretrain_space(self.cfg, train_space)
@@ -571,31 +496,6 @@ class ReasoningTask:
                 i,
             )
         )
-        self._eval: dict[str, tuple[Problem, ...]] = {
-            "test": _heldout_split(
-                train_space, self.cfg.seed, "test", self.cfg.test_size, "test_size"
-            )
-        }
-        for name, variant in self.cfg.ood.items():
-            where = f"ood[{name!r}]."
-            space = _space_from(self.cfg, variant, where)
-            self._eval[name] = _heldout_split(
-                space, self.cfg.seed, f"ood:{name}", variant.size, where + "size"
-            )
-        self.eval_splits: tuple[str, ...] = tuple(self._eval)
-
-    def split(self, name: str) -> Sequence[Problem]:
-        if name == "train":
-            return self._train
-        if name in self._eval:
-            return self._eval[name]
-        raise ValueError(
-            f"reasoning task has no split {name!r}; use one of {['train', *self._eval]}"
-        )
-
-    def prompt_ids(self, problem: Problem, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-        """``[bos] + tokens(question)``: no chat template; BOS only if the tokenizer has one."""
-        return plain_prompt_ids(tokenizer, problem.question)
 
     def reward(self, problem: Problem, completion: str) -> float:
         """1.0 when the completion is well formed and its answer is exact, else 0.0."""

@@ -42,18 +42,29 @@ from __future__ import annotations
 import difflib
 import json
 import logging
-import operator
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from functools import lru_cache
 from hashlib import blake2b
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ftis.rewards import RewardTerm, register_reward
-from ftis.tasks.base import Problem, TaskConfigBase, TaskDataError, plain_prompt_ids
-from ftis.tasks.gsm8k import PLAIN_PROMPT, chat_prompt_ids, chat_template_in_use
+from ftis.tasks.base import (
+    Problem,
+    TaskConfigBase,
+    TaskDataError,
+    named_split,
+    plain_prompt_ids,
+)
+from ftis.tasks.generated import VirtualSplit
+from ftis.tasks.gsm8k import (
+    PLAIN_PROMPT,
+    chat_prompt_ids,
+    chat_template_field,
+    chat_template_in_use,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -157,11 +168,7 @@ class ReasoningGymTaskConfig(TaskConfigBase):
         "'simple', 'chain_of_draft', 'DeepSeekZero') or the system prompt's text; it should ask "
         "for <answer>...</answer>.",
     )
-    use_chat_template: bool | None = Field(
-        None,
-        description="null = the tokenizer's chat template when it has one, false = always the "
-        "plain text prompt, true = require a template.",
-    )
+    use_chat_template: bool | None = chat_template_field("plain text prompt")
 
     @field_validator("datasets", mode="before")
     @classmethod
@@ -300,39 +307,6 @@ def _problem(index: int, name: str, options: Mapping[str, Any], item: Mapping[st
     )
 
 
-class LazySplit(Sequence[Problem]):
-    """``size`` problems, each made on first access by ``make(i)`` (the train split)."""
-
-    def __init__(self, size: int, make: Callable[[int], Problem]) -> None:
-        self._size = size
-        self._make = lru_cache(maxsize=8192)(make)
-
-    def __len__(self) -> int:
-        return self._size
-
-    @overload
-    def __getitem__(self, i: int) -> Problem: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[Problem]: ...
-    def __getitem__(self, i: int | slice) -> Problem | list[Problem]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(self._size))]
-        i = operator.index(i)
-        if i < 0:
-            i += self._size
-        if not 0 <= i < self._size:
-            raise IndexError(f"index {i} out of range [0, {self._size})")
-        return self._make(i)
-
-    def __contains__(self, item: object) -> bool:  # the inherited one would make every item
-        return (
-            isinstance(item, Problem) and 0 <= item.index < self._size and self[item.index] == item
-        )
-
-    def __iter__(self) -> Iterator[Problem]:
-        return (self[i] for i in range(self._size))
-
-
 # ---------------------------------------------------------------------------------------- reward
 
 
@@ -403,7 +377,7 @@ class ReasoningGymTask:
         if len(names) > 1:
             self._eval.update(held)
         self.eval_splits: tuple[str, ...] = tuple(self._eval)
-        self._train = LazySplit(c.size, self._train_problem)
+        self._train = VirtualSplit(lru_cache(maxsize=8192)(self._train_problem), size=c.size)
         logger.info(
             "reasoning-gym task: %d train problems, eval %s",
             c.size,
@@ -451,13 +425,7 @@ class ReasoningGymTask:
         )
 
     def split(self, name: str) -> Sequence[Problem]:
-        if name == "train":
-            return self._train
-        if name in self._eval:
-            return self._eval[name]
-        raise ValueError(
-            f"reasoning-gym task has no split {name!r}; use one of {['train', *self._eval]}"
-        )
+        return named_split("reasoning-gym", name, self._train, self._eval)
 
     def uses_chat_template(self, tokenizer: PreTrainedTokenizerBase) -> bool:
         return chat_template_in_use(self.cfg.use_chat_template, tokenizer)

@@ -38,8 +38,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from ftis.tasks.base import Problem, TaskConfigBase, TaskDataError, as_id_list, plain_prompt_ids
-from ftis.tasks.gsm8k import chat_template_in_use
+from ftis.tasks.base import (
+    Problem,
+    TaskConfigBase,
+    TaskDataError,
+    as_id_list,
+    plain_prompt_ids,
+)
+from ftis.tasks.gsm8k import chat_template_field, chat_template_in_use
 from ftis.tasks.prompts import plain_chat
 
 if TYPE_CHECKING:
@@ -66,6 +72,10 @@ class VerifiersTaskConfig(TaskConfigBase):
 
     kind: Literal["verifiers"] = Field(default="verifiers", description="Task selector.")
     default_reward: ClassVar[str | None] = None  # the rubric's terms are filled in below
+    no_warmstart_field: ClassVar[str | None] = (
+        "a verifiers environment has no supervised target: set task.warmstart_field to "
+        "a column holding completions in the rubric's format, or remove warm_start"
+    )
     env: str = Field(
         description="'module:attr' or 'path/to/file.py:attr' (an Environment, or a function "
         "returning one), or the name of an installed environment (verifiers.load_environment)."
@@ -77,11 +87,7 @@ class VerifiersTaskConfig(TaskConfigBase):
         64, ge=1, description="Held-out rows: the eval dataset's first ones, else held out."
     )
     split_seed: int = Field(0, description="Seed of the held-out rows' choice (no eval dataset).")
-    use_chat_template: bool | None = Field(
-        None,
-        description="null = the tokenizer's chat template when it has one, false = always the "
-        "plain 'role: content' text, true = require a template.",
-    )
+    use_chat_template: bool | None = chat_template_field("plain 'role: content' text")
     warmstart_field: str | None = Field(
         None,
         description="Column holding a completion in the rubric's format; a warm start trains "
@@ -109,14 +115,6 @@ class VerifiersTaskConfig(TaskConfigBase):
 
             self.reward = [RewardTerm(function=n, weight=w) for n, w in loaded.terms]
         return self
-
-    def warm_start_refusal(self) -> str | None:
-        if self.warmstart_field is None:
-            return (
-                "a verifiers environment has no supervised target: set task.warmstart_field to "
-                "a column holding completions in the rubric's format, or remove warm_start"
-            )
-        return None
 
 
 class LoadedEnv:

@@ -9,6 +9,7 @@ computed once per round by `response_weights` and sliced into every step.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -145,16 +146,18 @@ def update(
         width = max(int(batch.lengths[sl].max()), 1)
         comp = batch.completion_ids[sl, :width]
         mask = mask_all[sl, :width]
+        # the micro-batch's completion log-probs under a model (the node's, its reference)
+        completion_logprobs = functools.partial(
+            shared_prompt_completion_logprobs,
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            prompt_of=prompt_of,
+            completion_ids=comp,
+            completion_mask=mask.long(),
+            temperature=temperature,
+        )
         with compute_context(model_dev, compute_dtype):
-            logprobs = shared_prompt_completion_logprobs(
-                node.model,
-                prompt_ids=prompt_ids,
-                prompt_mask=prompt_mask,
-                prompt_of=prompt_of,
-                completion_ids=comp,
-                completion_mask=mask.long(),
-                temperature=temperature,
-            )
+            logprobs = completion_logprobs(node.model)
         dev = logprobs.device  # the model's: a GPU node trains on the GPU, batches stay on CPU
         if track_mismatch:
             with torch.no_grad():
@@ -240,15 +243,7 @@ def update(
                 node.reference() as ref_model,
                 compute_context(model_dev, compute_dtype),
             ):
-                ref_logprobs = shared_prompt_completion_logprobs(
-                    ref_model,
-                    prompt_ids=prompt_ids,
-                    prompt_mask=prompt_mask,
-                    prompt_of=prompt_of,
-                    completion_ids=comp,
-                    completion_mask=mask.long(),
-                    temperature=temperature,
-                )
+                ref_logprobs = completion_logprobs(ref_model)
             kl_mask = mask.to(dev)
             if kl_own_only and own is not None:
                 # HACPO: the KL term on the learner's own sequences only (the paper's); a
@@ -288,17 +283,8 @@ def update(
         # would have after a full backward pass of zeros.
         for p in params:
             p.grad = torch.zeros_like(p)
-        # The loss's own metrics over no sequence (0, as for any empty mask), so that every row
-        # carries the same loss/* keys.
-        _, empty = policy_loss(
-            torch.zeros(0, 1),
-            torch.zeros(0, 1),
-            torch.zeros(0),
-            torch.zeros(0, 1, dtype=torch.bool),
-            method=loss_cfg.method,
-            num_sequences=n_total,
-        )
-        totals.update({k: float(v) for k, v in empty.items()})
+        # The loss's own metrics over no sequence, so that every row carries the same loss/* keys.
+        totals.update(_empty_loss_metrics(loss_cfg.method, n_total))
         if beta > 0:
             totals["kl"] = 0.0
         if reco and loss_cfg.reco_token_ratio:
@@ -486,15 +472,7 @@ def _no_step_metrics(loss_cfg: LossConfig, batch: RolloutBatch) -> dict[str, flo
     """The metrics `update` reports for a batch with no sequence to run (the loss's own over
     no sequence, 0 as for any empty mask), so that a round without an optimizer step carries
     the same loss/* keys as any other."""
-    _, empty = policy_loss(
-        torch.zeros(0, 1),
-        torch.zeros(0, 1),
-        torch.zeros(0),
-        torch.zeros(0, 1, dtype=torch.bool),
-        method=loss_cfg.method,
-        num_sequences=batch.num_sequences,
-    )
-    out = {k: float(v) for k, v in empty.items()}
+    out = _empty_loss_metrics(loss_cfg.method, batch.num_sequences)
     if loss_cfg.beta > 0:
         out["kl"] = 0.0
     if resolve_method(loss_cfg.method)[0] == "reco":
@@ -503,3 +481,16 @@ def _no_step_metrics(loss_cfg: LossConfig, batch: RolloutBatch) -> dict[str, flo
         if loss_cfg.reco_response_weights:
             out.update(reco_weight_max=0.0, reco_weight_min=0.0)
     return {**out, "active_frac": 0.0, "grad_norm": 0.0}
+
+
+def _empty_loss_metrics(method: str, num_sequences: int) -> dict[str, float]:
+    """The loss's own metrics over no sequence (0, as for any empty mask)."""
+    _, empty = policy_loss(
+        torch.zeros(0, 1),
+        torch.zeros(0, 1),
+        torch.zeros(0),
+        torch.zeros(0, 1, dtype=torch.bool),
+        method=method,
+        num_sequences=num_sequences,
+    )
+    return {k: float(v) for k, v in empty.items()}

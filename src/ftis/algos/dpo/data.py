@@ -102,21 +102,18 @@ def greedy_answers(
     kind `own`. Deterministic, so a resumed run (or another worker) rebuilds the same pairs."""
     import torch
 
-    from ftis.rollout.sampler import decode_completions, sample
+    from ftis.rollout.sampler import decode_completions, greedy_samples
 
     out: list[str] = []
+    prompts = [task.prompt_ids(p, tokenizer) for p in problems]
     with torch.no_grad(), reference.active():
-        for start in range(0, len(problems), batch_size):
-            chunk = problems[start : start + batch_size]
-            s = sample(
-                reference.model,
-                [task.prompt_ids(p, tokenizer) for p in chunk],
-                num_samples=1,
-                max_new_tokens=max_new_tokens,
-                eos_id=tokenizer.eos_token_id,
-                pad_id=tokenizer.pad_token_id,
-                temperature=0.0,
-            )
+        for s in greedy_samples(
+            reference.model,
+            prompts,
+            tokenizer,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+        ):
             out += decode_completions(tokenizer, s.completion_ids, s.lengths)
     return out
 

@@ -73,7 +73,6 @@ def run_fed_dpo(
     `run_centralized`), writing the run directory `run_dir`. resume: continue from the server's
     newest checkpoint. Seams for tests (never set by `ftis run`): faults
     (`ftis.algos.federated.faults`), engine (e.g. `ftis.algos.federated.inprocess.run_in_process`)."""
-    from ftis.algos.federated.apps import make_client_app
     from ftis.algos.federated.launch import run_flower
 
     algo: FedDPOConfig = cfg.algorithm  # type: ignore[assignment]
@@ -81,33 +80,19 @@ def run_fed_dpo(
     if algo.centralized:
         return run_centralized(cfg, run_dir, console=console, resume=resume)
 
-    def make_state(params: dict[str, Any], saved: dict[str, Any]) -> FedDPOServer:
-        server = make_server(params, algo, cfg.train.seed)
-        server.load_state_dict(saved)
-        return server
-
     def make_strategy(server: FedDPOServer, **kwargs: Any) -> Any:
         from ftis.algos.dpo.fed_strategy import FedDPOStrategy
 
         return FedDPOStrategy(cfg=cfg, server=server, **kwargs)
 
-    def client_app(base_dir: Path | None, threads: int) -> Any:
-        return make_client_app(
-            cfg,
-            run_dir,
-            build_client=_build_client,
-            base_dir=base_dir,
-            faults=faults,
-            threads=threads,
-        )
-
     return run_flower(
         cfg,
         run_dir,
         label="fed-dpo",
-        make_state=make_state,
+        new_state=lambda params: make_server(params, algo, cfg.train.seed),
         make_strategy=make_strategy,
-        make_client_app=client_app,
+        build_client=_build_client,
+        faults=faults,
         console=console,
         resume=resume,
         engine=engine,

@@ -27,9 +27,13 @@ import torch
 from ftis.algos.dpo.config import FedDPOConfig
 from ftis.algos.dpo.data import agent_task, tokenized_agent_pairs
 from ftis.algos.dpo.local import LocalDPO, Reference
-from ftis.algos.federated.params import COUNT_KEY, load_params
+from ftis.algos.federated.params import (
+    COUNT_KEY,
+    load_params,
+    params_delta,
+    save_client_checkpoint,
+)
 from ftis.config import RunConfig
-from ftis.train.checkpoint import save_checkpoint
 from ftis.train.evaluate import evaluate
 from ftis.train.node import Node, build_node, build_optimizer
 from ftis.train.seeds import eval_seed
@@ -120,11 +124,7 @@ class DPOClient:
         e = self.algo.local_steps
         with self.timer("local"):
             metrics: dict[str, Any] = self.local.train(e, first=(round_ - 1) * e)
-        delta = {
-            name: p.detach().to("cpu") - params[name].to("cpu", p.dtype)
-            for name, p in self.node.model.named_parameters()
-            if p.requires_grad
-        }
+        delta = params_delta(self.node.model, params)
         metrics.update(self.timer.pop())
         metrics["train/local_steps"] = float(e)
         metrics["train/local_seconds"] = time.perf_counter() - t0
@@ -149,10 +149,4 @@ class DPOClient:
         if not due and self._saved:
             return
         self._saved = True
-        save_checkpoint(
-            self.node,
-            run_dir / "nodes" / self.name,
-            round_,
-            keep=self.cfg.checkpoint.keep,
-            algorithm_state={"round": round_, **(state or {})},
-        )
+        save_client_checkpoint(self, run_dir, round_, state)

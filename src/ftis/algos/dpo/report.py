@@ -10,14 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ftis.report import nodes_in, table_lines
-
-
-def _series(rows: list[dict[str, Any]], node: str, key: str) -> tuple[list[int], list[float]]:
-    pts = sorted(
-        (r["step"], float(r[key])) for r in rows if r.get("node") == node and r.get(key) is not None
-    )
-    return [p[0] for p in pts], [p[1] for p in pts]
+from ftis.report import label_axes, nodes_in, pyplot, save_figure, series, table_lines
 
 
 def _pct(v: float | None) -> str | None:
@@ -33,9 +26,9 @@ def report_section(rows: list[dict[str, Any]], run_dir: Path) -> list[str]:
     nodes = nodes_in(rows)
     body: list[list[str | None]] = []
     for n in nodes:
-        _, acc = _series(rows, n, "eval/preference_accuracy")
-        _, racc = _series(rows, n, "eval/reward_accuracy")
-        _, loss = _series(rows, n, "eval/dpo_loss")
+        _, acc = series(rows, n, "eval/preference_accuracy")
+        _, racc = series(rows, n, "eval/reward_accuracy")
+        _, loss = series(rows, n, "eval/dpo_loss")
         if not (acc or racc or loss):
             continue
         label = "server (union of the clients' pairs)" if n == "server" else n
@@ -148,38 +141,25 @@ def _plot(rows: list[dict[str, Any]], nodes: list[str], path: Path) -> bool:
     gossip = any(r.get("gossip/consensus_error_before") is not None for r in rows)
     if not panels and not gossip:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     n_ax = len(panels) + gossip
-    fig, axes = plt.subplots(1, n_ax, figsize=(4.5 * n_ax, 3.4), squeeze=False)
+    fig, axes = pyplot().subplots(1, n_ax, figsize=(4.5 * n_ax, 3.4), squeeze=False)
     for ax, (key, title) in zip(axes[0], panels):
         for n in nodes:
-            x, y = _series(rows, n, key)
+            x, y = series(rows, n, key)
             if x:
                 ax.plot(x, y, marker="o" if "eval" in key else None, ms=3, label=n)
-        ax.set_title(title)
-        ax.set_xlabel("round")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        label_axes(ax, title, "round")
     if gossip:
         ax = axes[0][-1]
-        ref = next(n for n in nodes if _series(rows, n, "gossip/consensus_error_before")[0])
+        ref = next(n for n in nodes if series(rows, n, "gossip/consensus_error_before")[0])
         for key, style in (
             ("gossip/consensus_error_before", "-"),
             ("gossip/consensus_error_after", "--"),
         ):
-            x, y = _series(rows, ref, key)
+            x, y = series(rows, ref, key)
             if x:
                 ax.plot(x, [max(v, 1e-30) for v in y], style, label=key.split("_")[-1])
         ax.set_yscale("log")
-        ax.set_title(f"consensus error (as {ref} measured it)")
-        ax.set_xlabel("round")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        label_axes(ax, f"consensus error (as {ref} measured it)", "round")
+    save_figure(fig, path)
     return True

@@ -27,11 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
 from ftis.algos.federated.config import SERVER_NAME
+from ftis.algos.federated.faults import FaultPlan
 from ftis.config import RunConfig
 from ftis.launch.multi import MultiResult
+from ftis.launch.progress import progress_columns
 from ftis.train.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from ftis.train.metrics import MetricLogger, truncate_rows
 from ftis.train.node import Node, build_node
@@ -152,13 +154,7 @@ def server_setup(
     import torch
 
     names = [n.name for n in cfg.nodes]
-    columns = [
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[info]}"),
-    ]
+    columns = progress_columns()
     with Progress(*columns, console=console, disable=not cfg.log.progress) as bar:
         warm = None
 
@@ -211,13 +207,11 @@ def server_setup(
                 lg.close()
 
 
-# make_state(initial global trainable parameters, resumed algorithm state) -> the server state
-MakeState = Callable[[dict[str, Any], dict[str, Any]], Any]
+# new_state(initial global trainable parameters) -> the server state (with load_state_dict)
+NewState = Callable[[dict[str, Any]], Any]
 # make_strategy(server state, loggers=, checkpoint=, first_round=, resumed=, progress=,
 #               should_stop=) -> a FederatedStrategy
 MakeStrategy = Callable[..., Any]
-# make_client_app(base_dir, threads) -> the ClientApp
-MakeClientApp = Callable[[Path | None, int], Any]
 
 
 def run_flower(
@@ -225,9 +219,10 @@ def run_flower(
     run_dir: Path,
     *,
     label: str,
-    make_state: MakeState,
+    new_state: NewState,
     make_strategy: MakeStrategy,
-    make_client_app: MakeClientApp,
+    build_client: Callable[..., Any],
+    faults: FaultPlan | None = None,
     console: Console | None = None,
     resume: bool = False,
     engine: Engine | None = None,
@@ -235,8 +230,10 @@ def run_flower(
 ) -> MultiResult:
     """Run federated config `cfg` to the end under Flower's simulation engine (or `engine`, with
     its signature: the in-process engine of tests, a deployed Grid), writing `run_dir`.
-    resume: continue from the server's newest checkpoint."""
-    from ftis.algos.federated.apps import make_server_app
+    resume: continue from the server's newest checkpoint. The server state is `new_state`'s,
+    given the resumed algorithm state (`load_state_dict`); the clients are `build_client`'s
+    (`ftis.algos.federated.apps.BuildClient`), with `faults` injected (tests)."""
+    from ftis.algos.federated.apps import make_client_app, make_server_app
     from ftis.algos.federated.params import trainable_params
     from ftis.train.loop import StopFlag
 
@@ -251,7 +248,8 @@ def run_flower(
             cfg, run_dir, label=label, console=console, resume=resume, info_key=info_key
         ) as setup,
     ):
-        state = make_state(trainable_params(setup.server.model), setup.state)
+        state = new_state(trainable_params(setup.server.model))
+        state.load_state_dict(setup.state)
 
         def checkpoint(round_: int, algorithm_state: dict[str, Any]) -> None:
             setup.save(round_, state.params, algorithm_state)
@@ -276,7 +274,12 @@ def run_flower(
                     strategy, rounds=remaining, timeout_s=sim.round_timeout_s
                 ),
                 client_app=make_client_app(
-                    setup.base_dir, max(1, int(sim.client_cpus)) if engine is None else 0
+                    cfg,
+                    run_dir,
+                    build_client=build_client,
+                    base_dir=setup.base_dir,
+                    faults=faults,
+                    threads=max(1, int(sim.client_cpus)) if engine is None else 0,
                 ),
                 stop=stop,
                 engine=engine,
@@ -321,15 +324,16 @@ def simulate(
     process it left (its raylet, GCS and client workers, orphaned or not) is ended."""
     sim = cfg.algorithm.simulation  # type: ignore[attr-defined]
     config = backend_config(cfg)
+    apps = dict(  # what either engine is given
+        server_app=server_app,
+        client_app=client_app,
+        num_supernodes=len(cfg.nodes),
+        backend_config=config,
+        verbose_logging=sim.verbose,
+    )
     if engine is not None:
         with _quiet(sim.verbose), stop.installed():
-            engine(
-                server_app=server_app,
-                client_app=client_app,
-                num_supernodes=len(cfg.nodes),
-                backend_config=config,
-                verbose_logging=sim.verbose,
-            )
+            engine(**apps)
         return
     from flwr.simulation import run_simulation
 
@@ -342,13 +346,7 @@ def simulate(
             _start_ray(config["init_args"])
             watch.start()
             with stop.installed():
-                run_simulation(
-                    server_app=server_app,
-                    client_app=client_app,
-                    num_supernodes=len(cfg.nodes),
-                    backend_config=config,
-                    verbose_logging=sim.verbose,
-                )
+                run_simulation(**apps)
         finally:
             watch.halt()
             import ray

@@ -5,6 +5,8 @@ training code imports this, not flwr."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,3 +40,32 @@ def load_params(model: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> N
             if tuple(src.shape) != tuple(p.shape):
                 raise ValueError(f"parameter {name!r}: {tuple(src.shape)} vs {tuple(p.shape)}")
             p.copy_(src.to(device=p.device, dtype=p.dtype))
+
+
+def params_delta(
+    model: torch.nn.Module, params: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """What local training changed: the model's trainable parameters minus the `params` it
+    started from (CPU, the model's dtype): a client's reply."""
+    return {
+        name: p.detach().to("cpu") - params[name].to("cpu", p.dtype)
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+def save_client_checkpoint(
+    client: Any, run_dir: Path, round_: int, state: dict[str, Any] | None = None
+) -> None:
+    """Checkpoint a client's local model (its `node`) after round `round_` under
+    nodes/<its name>/, keeping `cfg.checkpoint.keep`; the algorithm state is the round and
+    `state`."""
+    from ftis.train.checkpoint import save_checkpoint
+
+    save_checkpoint(
+        client.node,
+        run_dir / "nodes" / client.name,
+        round_,
+        keep=client.cfg.checkpoint.keep,
+        algorithm_state={"round": round_, **(state or {})},
+    )

@@ -4,31 +4,20 @@ sent). See that module for how the simulation engine and a deployment run them."
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 from pathlib import Path
-
-from flwr.clientapp import ClientApp
 
 from ftis.algos.federated.apps import make_client_app as federated_client_app
 from ftis.algos.federated.apps import make_server_app  # noqa: F401  (re-exported)
-from ftis.algos.federated.faults import FaultPlan
 from ftis.algos.fgrpo.client import LocalClient
 from ftis.config import RunConfig
 
 
-def _build_client(cfg: RunConfig, rank: int, base_dir: Path | None) -> LocalClient:
+def build_client(cfg: RunConfig, rank: int, base_dir: Path | None) -> LocalClient:
+    """FGRPO's client object of node cfg.nodes[rank] (`apps.BuildClient`)."""
     return LocalClient(cfg, rank, base_dir=base_dir)
 
 
-def make_client_app(
-    cfg: RunConfig,
-    run_dir: Path,
-    *,
-    base_dir: Path | Callable[[], Path | None] | None = None,
-    faults: FaultPlan | None = None,
-    threads: int = 0,
-) -> ClientApp:
-    """The ClientApp of FGRPO run `cfg` (arguments: `ftis.algos.federated.apps.make_client_app`)."""
-    return federated_client_app(
-        cfg, run_dir, build_client=_build_client, base_dir=base_dir, faults=faults, threads=threads
-    )
+# The ClientApp of FGRPO run `cfg`: `ftis.algos.federated.apps.make_client_app` (its arguments)
+# with FGRPO's client.
+make_client_app = functools.partial(federated_client_app, build_client=build_client)

@@ -36,6 +36,8 @@ from ftis.algos.federated.params import (  # noqa: F401  (trainable_params: re-e
     PERF_BEFORE_KEY,
     PERF_KEY,
     load_params,
+    params_delta,
+    save_client_checkpoint,
     trainable_params,
 )
 from ftis.algos.fgrpo.config import FGRPOConfig
@@ -44,7 +46,6 @@ from ftis.rollout.types import RolloutBatch
 from ftis.tasks import build_task
 from ftis.tasks.base import Problem, Task
 from ftis.train import scoring
-from ftis.train.checkpoint import save_checkpoint
 from ftis.train.evaluate import evaluate
 from ftis.train.node import Node, build_node, build_optimizer
 from ftis.train.sampling import generate
@@ -187,11 +188,7 @@ class LocalClient:
             performance = (
                 self._performance(round_) if self.algo.performance == "eval" else last_reward
             )
-        delta = {
-            name: p.detach().to("cpu") - params[name].to("cpu", p.dtype)
-            for name, p in self.node.model.named_parameters()
-            if p.requires_grad
-        }
+        delta = params_delta(self.node.model, params)
         metrics.update(self.timer.pop())
         metrics["train/local_steps"] = float(E)
         metrics["train/num_examples"] = float(num_examples)
@@ -282,10 +279,4 @@ class LocalClient:
 
     def save(self, run_dir: Path, round_: int, state: dict[str, Any] | None = None) -> None:
         """Checkpoint the client's local model (after its round) under nodes/<name>/."""
-        save_checkpoint(
-            self.node,
-            run_dir / "nodes" / self.name,
-            round_,
-            keep=self.cfg.checkpoint.keep,
-            algorithm_state={"round": round_, **(state or {})},
-        )
+        save_client_checkpoint(self, run_dir, round_, state)

@@ -168,9 +168,7 @@ class FGRPOConfig(AlgorithmConfig):
         return {**run.task.model_dump(), **self.client_spec(name).task}
 
     def check_run(self, run: Any) -> None:
-        from pydantic import TypeAdapter, ValidationError
-
-        from ftis.tasks import TaskConfig
+        from ftis.tasks import check_task_section
 
         names = [n.name for n in run.nodes]
         check_federated_run(
@@ -186,12 +184,4 @@ class FGRPOConfig(AlgorithmConfig):
                 f"({', '.join(names)})"
             )
         for name in names:
-            try:
-                TypeAdapter(TaskConfig).validate_python(self.client_task(run, name))
-            except ValidationError as e:
-                first_err = e.errors()[0]
-                where = ".".join(str(p) for p in first_err["loc"])
-                raise ValueError(
-                    f"algorithm.clients.{name}.task: {where}: "
-                    f"{first_err['msg'].removeprefix('Value error, ')}"
-                ) from None
+            check_task_section(self.client_task(run, name), f"algorithm.clients.{name}.task")

@@ -69,7 +69,7 @@ def run_federated(
     deployed Grid (`ftis.algos.fgrpo.deploy`); check_client_data=False skips building every
     client's data here first (deployed, the clients' data lives on their machines)."""
     from ftis.algos.fgrpo.aggregator import Aggregator
-    from ftis.algos.fgrpo.apps import make_client_app
+    from ftis.algos.fgrpo.apps import build_client
     from ftis.algos.fgrpo.strategy import FGRPOStrategy
 
     algo: FGRPOConfig = cfg.algorithm  # type: ignore[assignment]
@@ -77,24 +77,17 @@ def run_federated(
     if check_client_data:
         check_clients(cfg)
 
-    def make_state(params: dict[str, Any], saved: dict[str, Any]) -> Aggregator:
-        aggregator = Aggregator(params, algo)
-        aggregator.load_state_dict(saved)
-        return aggregator
-
     def make_strategy(aggregator: Aggregator, **kwargs: Any) -> FGRPOStrategy:
         return FGRPOStrategy(cfg=cfg, aggregator=aggregator, **kwargs)
-
-    def client_app(base_dir: Path | None, threads: int) -> Any:
-        return make_client_app(cfg, run_dir, base_dir=base_dir, faults=faults, threads=threads)
 
     return run_flower(
         cfg,
         run_dir,
         label="fgrpo",
-        make_state=make_state,
+        new_state=lambda params: Aggregator(params, algo),
         make_strategy=make_strategy,
-        make_client_app=client_app,
+        build_client=build_client,
+        faults=faults,
         console=console,
         resume=resume,
         engine=engine,

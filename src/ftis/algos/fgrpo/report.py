@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ftis.report import nodes_in, table_lines
+from ftis.report import label_axes, nodes_in, pyplot, save_figure, table_lines
 
 LAST_ROUNDS = 5  # rounds in the per-round table (the plot has all of them)
 
@@ -155,24 +155,14 @@ def _plot(
     gains: list[dict[str, float]],
     path: Path,
 ) -> bool:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     steps = [int(r["step"]) for r in agg]
     panels = [("weight w_k", weights)] + ([("gain", gains)] if any(gains) else [])
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.4), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(panels), figsize=(5 * len(panels), 3.4), squeeze=False)
     for ax, (title, per_round) in zip(axes[0], panels):
         for c in clients:
             pts = [(s, x[c]) for s, x in zip(steps, per_round) if c in x]
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=c)
-        ax.set_title(f"{title} per client")
-        ax.set_xlabel("round")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        label_axes(ax, f"{title} per client", "round")
+    save_figure(fig, path)
     return True

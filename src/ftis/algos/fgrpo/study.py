@@ -50,8 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 from rich.console import Console
 
 from ftis.config import ConfigError, RunConfig, apply_overrides, format_validation_error
@@ -66,7 +65,7 @@ from ftis.study.runner import (
     run_study,
 )
 from ftis.study.runner import plan as runner_plan
-from ftis.study.spec import _ID, StudyError
+from ftis.study.spec import _ID, StrictModel, Study, StudyError, is_study_of_kind, read_spec
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +80,7 @@ Status = Literal["done", "incomplete", "todo", "trained"]  # trained: only its c
 # ---------------------------------------------------------------------------------------- spec
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ArmSpec(_Strict):
+class ArmSpec(StrictModel):
     """One arm of the comparison."""
 
     kind: ArmKind = Field(
@@ -110,7 +105,7 @@ class ArmSpec(_Strict):
         return self
 
 
-class StabilitySpec(_Strict):
+class StabilitySpec(StrictModel):
     """How the document measures stability across rounds (per client, run and seed)."""
 
     last: int = Field(
@@ -125,7 +120,7 @@ class StabilitySpec(_Strict):
     )
 
 
-class FGRPOStudySpec(_Strict):
+class FGRPOStudySpec(StrictModel):
     kind: Literal["fgrpo"] = Field(description="Marks an FGRPO study for `ftis sweep`.")
     name: str = Field(description="Study name; default output runs/study-<name>.")
     description: str = Field("", description="A paragraph for the results document.")
@@ -197,23 +192,13 @@ class FGRPORun:
 
 
 @dataclass
-class FGRPOStudy:
-    """A validated study and its runs (the shape `ftis.study.runner` expects of a Study)."""
+class FGRPOStudy(Study):
+    """A validated study and its runs (a Study, as `ftis.study.runner` expects; its out_dir
+    and select)."""
 
-    spec: FGRPOStudySpec
+    spec: FGRPOStudySpec  # type: ignore[assignment]
     path: Path
-    runs: list[FGRPORun]
-
-    @property
-    def out_dir(self) -> Path:
-        return Path(self.spec.out) if self.spec.out else Path("runs") / f"study-{self.spec.name}"
-
-    def select(self, pattern: str | None) -> list[FGRPORun]:
-        import fnmatch
-
-        if not pattern:
-            return list(self.runs)
-        return [r for r in self.runs if fnmatch.fnmatchcase(r.id, pattern)]
+    runs: list[FGRPORun]  # type: ignore[assignment]
 
     def label(self, arm: str) -> str:
         a = self.spec.arms.get(arm)
@@ -227,27 +212,11 @@ class FGRPOStudy:
 def is_fgrpo_study(path: str | Path) -> bool:
     """True when `path` is a YAML study with `kind: fgrpo` (anything else: False, and the
     ordinary study reader reports what is wrong with it)."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
-        return False
-    return isinstance(data, dict) and data.get("kind") == KIND
+    return is_study_of_kind(path, KIND)
 
 
 def read_fgrpo_spec(path: str | Path) -> FGRPOStudySpec:
-    path = Path(path)
-    if not path.exists():
-        raise StudyError(f"study file {str(path)!r} does not exist; give a YAML path")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise StudyError(f"study file {str(path)!r} is not valid YAML: {e}") from e
-    try:
-        return FGRPOStudySpec.model_validate(data)
-    except ValidationError as e:
-        raise StudyError(
-            f"study {path}: " + format_validation_error(e).replace("config", "study", 1)
-        ) from None
+    return read_spec(path, FGRPOStudySpec)
 
 
 def load_fgrpo_study(path: str | Path) -> FGRPOStudy:

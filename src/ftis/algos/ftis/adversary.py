@@ -34,10 +34,4 @@ def adversarial(
         n = batch.num_sequences
         ids, lp = ids[:1].expand(n, -1).clone(), lp[:1].expand(n, -1).clone()
         lengths = lengths[:1].expand(n).clone()
-    return RolloutBatch(
-        prompt_index=batch.prompt_index.clone(),
-        generator=batch.generator.clone(),
-        completion_ids=ids,
-        lengths=lengths,
-        sampler_logprobs=lp,
-    )
+    return batch.with_completions(ids, lengths, lp)

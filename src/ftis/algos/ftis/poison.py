@@ -95,13 +95,7 @@ def poison(
     lp = torch.zeros((n, width), dtype=torch.float32)
     lp[:, : batch.sampler_logprobs.shape[1]] = batch.sampler_logprobs
     rows = torch.tensor(sorted(new_rows), dtype=torch.long)
-    candidate = RolloutBatch(
-        prompt_index=batch.prompt_index.clone(),
-        generator=batch.generator.clone(),
-        completion_ids=ids,
-        lengths=lengths,
-        sampler_logprobs=lp,
-    )
+    candidate = batch.with_completions(ids, lengths, lp)
     # reward-preserving: keep only the rewrites the attacker's own verifier still rewards
     still = scoring.score(task, tok, candidate.select(rows)) > 0
     rows = rows[still]
@@ -117,11 +111,4 @@ def poison(
     report = torch.where(mask, (rescored - margin).clamp(max=0.0), torch.zeros(()))
     lp[rows] = 0.0
     lp[rows, : report.shape[1]] = report
-    out = RolloutBatch(
-        prompt_index=batch.prompt_index.clone(),
-        generator=batch.generator.clone(),
-        completion_ids=ids,
-        lengths=lengths,
-        sampler_logprobs=lp,
-    )
-    return out, int(rows.numel())
+    return batch.with_completions(ids, lengths, lp), int(rows.numel())

@@ -88,9 +88,7 @@ class RandOptConfig(AlgorithmConfig):
         return {**run.task.model_dump(), **self.node_tasks.get(name, {})}
 
     def check_run(self, run: Any) -> None:
-        from pydantic import TypeAdapter, ValidationError
-
-        from ftis.tasks import TaskConfig
+        from ftis.tasks import check_task_section
 
         check_sampler_dtype_unused(run, self.kind, "scores its members greedily")
         steps = self.required_steps()
@@ -125,15 +123,7 @@ class RandOptConfig(AlgorithmConfig):
                 "the defence section"
             )
         for name in names:
-            try:
-                TypeAdapter(TaskConfig).validate_python(self.node_task(run, name))
-            except ValidationError as e:
-                err = e.errors()[0]
-                where = ".".join(str(p) for p in err["loc"])
-                raise ValueError(
-                    f"algorithm.node_tasks.{name}: {where}: "
-                    f"{err['msg'].removeprefix('Value error, ')}"
-                ) from None
+            check_task_section(self.node_task(run, name), f"algorithm.node_tasks.{name}")
 
 
 class CoRPConfig(RandOptConfig):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ftis.report import nodes_in, table_lines
+from ftis.report import label_axes, nodes_in, pyplot, save_figure, table_lines
 
 LAST_EVALS = 5  # evaluations per party in the vote table (the plot has all of them)
 
@@ -149,12 +149,7 @@ def _vote_lines(rows: list[dict[str, Any]], nodes: list[str], run_dir: Path) -> 
 
 
 def _plot(points: dict[str, list[tuple[int, float, Any, Any]]], path: Path) -> bool:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    fig, ax = pyplot().subplots(figsize=(5.5, 3.6))
     for n, pts in points.items():
         for idx, style, what in ((2, "-", "vote"), (3, "--", "best member")):
             xy = [(p[1], 100 * float(p[idx])) for p in pts if p[idx] is not None]
@@ -167,12 +162,6 @@ def _plot(points: dict[str, list[tuple[int, float, Any, Any]]], path: Path) -> b
                     ms=3,
                     label=f"{n}: {what}",
                 )
-    ax.set_title("top-K vote and best member")
-    ax.set_xlabel("members scored")
-    ax.set_ylabel("greedy accuracy (%)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    label_axes(ax, "top-K vote and best member", "members scored", "greedy accuracy (%)")
+    save_figure(fig, path)
     return True

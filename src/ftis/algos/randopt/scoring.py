@@ -17,7 +17,7 @@ import torch
 
 from ftis.rewards.decode import decode_for_reward
 from ftis.rewards.runtime import task_rewards
-from ftis.rollout.sampler import sample
+from ftis.rollout.sampler import greedy_samples
 from ftis.tasks.base import Problem, Task
 from ftis.train.evaluate import answer_extractor
 from ftis.train.node import Node
@@ -79,16 +79,9 @@ def greedy_completions(
     tok = node.tokenizer
     texts: list[str] = []
     tokens = 0
-    for start in range(0, len(ps), batch_size):
-        s = sample(
-            node.model,
-            ps.prompts[start : start + batch_size],
-            num_samples=1,
-            max_new_tokens=max_new_tokens,
-            eos_id=tok.eos_token_id,
-            pad_id=tok.pad_token_id,
-            temperature=0.0,
-        )
+    for s in greedy_samples(
+        node.model, ps.prompts, tok, max_new_tokens=max_new_tokens, batch_size=batch_size
+    ):
         texts += decode_for_reward(tok, s.completion_ids, s.lengths)
         tokens += int(s.prompt_mask.sum()) + int(s.lengths.sum())
     return texts, tokens

@@ -34,12 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
 from ftis.algos.swarm.config import SWARM_SECRET_ENV, ChurnConfig, SwarmConfig
 from ftis.config import ConfigError, RunConfig
 from ftis.exchange.store import new_secret
 from ftis.launch.multi import INTERRUPTED, LaunchError, MultiResult, NodesLostError
+from ftis.launch.progress import progress_columns
 from ftis.launch.stop import GRACE_S, die_with_parent, interrupt_on_sigterm, reaping_orphans
 from ftis.train.checkpoint import checkpoint_step
 from ftis.train.metrics import truncate_run_rows
@@ -171,13 +172,7 @@ def run_swarm(
         return any(q.proc for q in peers) and not any(q.phase == "running" for q in peers)
 
     result = MultiResult()
-    columns = [
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[info]}"),
-    ]
+    columns = progress_columns()
     stopping = False
     # the orphans of the run (a p2pd whose peer died first) are adopted here and ended at the end
     # SIGTERM stops the swarm as Ctrl-C does (a second one while the peers checkpoint: at once)

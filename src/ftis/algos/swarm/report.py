@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ftis.report import nodes_in, table_lines
+from ftis.report import nodes_in, pyplot, save_figure, table_lines
 
 LAST_ROUNDS = 10  # rounds in the per-round table (the plot has all of them)
 # (key, how a group of rows combines it): the figures of one peer's round
@@ -151,11 +151,6 @@ def report_section(rows: list[dict[str, Any]], run_dir: Path) -> list[str]:
 
 
 def _plot(mine: list[dict[str, Any]], rounds: list[int], path: Path) -> bool:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     per = {s: [r for r in mine if int(r["step"]) == s] for s in rounds}
     panels = ["membership"]
     if any(r.get("swarm/samples_published") is not None for r in mine):
@@ -163,7 +158,7 @@ def _plot(mine: list[dict[str, Any]], rounds: list[int], path: Path) -> bool:
     counts = [k for k in ("swarm/rejected", "swarm/stale", "swarm/late") if _sum(mine, k)]
     if counts:
         panels.append("counts")
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 3.4), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(panels), figsize=(4.8 * len(panels), 3.4), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         if panel == "membership":
             ax.plot(rounds, [len(per[s]) for s in rounds], marker="o", ms=3, label="peers present")
@@ -191,7 +186,5 @@ def _plot(mine: list[dict[str, Any]], rounds: list[int], path: Path) -> bool:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True

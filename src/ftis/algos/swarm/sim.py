@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
 from ftis.algos.swarm.config import ChurnConfig, SwarmConfig, membership_settings
 from ftis.algos.swarm.schedule import presence, resolve_churn
@@ -37,6 +37,7 @@ from ftis.exchange.store import new_secret
 from ftis.exchange.swarm import SwarmSettings, SwarmTransport
 from ftis.exchange.swarm_sim import Scheduler, SimBoard, SimTask
 from ftis.launch.multi import INTERRUPTED, LaunchError, MultiResult, NodesLostError
+from ftis.launch.progress import progress_columns
 from ftis.launch.stop import interrupt_on_sigterm
 from ftis.train.checkpoint import checkpoint_step
 from ftis.train.loop import SimulatedCrash, StopFlag, train_node
@@ -194,13 +195,7 @@ def run_sim(
             p.phase, p.code, p.error = "done", 1, f"{type(t.error).__name__}: {t.error}"
         p.task = None
 
-    columns = [
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[info]}"),
-    ]
+    columns = progress_columns()
     with (
         interrupt_on_sigterm(),  # SIGTERM stops the swarm as Ctrl-C does
         Progress(*columns, console=console, disable=not cfg.log.progress) as bar,
