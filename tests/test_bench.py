@@ -8,7 +8,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.long
 def test_quick_bench_emits_the_summary_keys(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "ftis.cli", "bench", "--quick", "--json"],

@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+
+import pytest
 from pathlib import Path
 
 import torch
@@ -47,6 +49,7 @@ def test_bf16_units_are_read_from_the_flags_line(tmp_path: Path) -> None:
     assert cpu_bf16_units(tmp_path / "missing") is None
 
 
+@pytest.mark.long
 def test_the_recorded_instruction_set_is_the_one_torch_was_told_to_use() -> None:
     code = "from bench.common import environment; print(environment()['cpu_capability'])"
     for forced, expected in (("default", "DEFAULT"), ("avx2", "AVX2")):

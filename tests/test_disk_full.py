@@ -35,6 +35,7 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
+@pytest.mark.long
 @pytest.mark.chaos_case("F-TIS", "disk full")
 def test_a_full_disk_stops_with_one_line_and_resumes(small_disk, tmp_path):
     data = _ftis(3)

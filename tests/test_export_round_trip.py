@@ -88,6 +88,7 @@ def test_an_exported_preset_answers_as_in_training(preset, tmp_path, monkeypatch
         assert r["got"] == r["completion"], r
 
 
+@pytest.mark.long
 def test_an_exported_smollm2_answers_as_in_training(tmp_path):
     pytest.importorskip(
         "gguf", reason="model.gguf needs the gguf package (pip install 'ftis[real]')"

@@ -202,6 +202,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.skipif(
     not all((BIN / c).exists() for c in ("flwr", "flower-superlink", "flower-supernode")),
     reason="flwr's commands are not installed next to this interpreter",

@@ -107,6 +107,7 @@ def test_before_and_after_compare_the_same_clients() -> None:
 # ---- through Flower's simulation engine (Ray) ----------------------------------------------
 
 
+@pytest.mark.long
 @pytest.mark.chaos_case("FGRPO", "kill one client worker (SIGKILL)")
 def test_a_killed_client_worker_is_restarted_for_the_next_round(tmp_path: Path) -> None:
     """Two clients, two rounds, Ray's two workers: the worker running b's round 1 is killed

@@ -201,6 +201,7 @@ def _check_flower_resumed(out: Path, clients: list[str], steps: int) -> None:
     assert _checkpoint_step(out, "server") == steps
 
 
+@pytest.mark.long
 @pytest.mark.chaos_case("FGRPO", "SIGTERM to the launcher, resume")
 @pytest.mark.parametrize("sig", [signal.SIGTERM], ids=["SIGTERM"])
 def test_fgrpo_on_flower_stops_checkpoints_and_resumes(tmp_path, sig):
