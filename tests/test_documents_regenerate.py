@@ -5,13 +5,11 @@ temporary folder (the copy carries the hand-written reading; plots go there too)
 must equal the committed document's.
 
 Seven documents take about 15 s together on one CPU core and are checked in the default suite;
-the bootstraps of collab.md (about a minute), RESULTS.md (about 20 s) and fgrpo.md run only
-when asked: `FTIS_DOCUMENTS=1 python -m pytest tests/test_documents_regenerate.py` checks every
-one. Studies whose runs are not committed (paper, paper-gpu, wire) cannot be checked this way."""
+collab.md (about a minute of bootstraps), RESULTS.md (about 20 s) and fgrpo.md are in the long
+tier (`python -m pytest -m long`, which CI runs after the default suite). Studies whose runs are not committed (paper, paper-gpu, wire) cannot be checked this way."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -32,15 +30,8 @@ def _committed() -> list[Path]:
 
 
 SLOW = {"collab", "reasoning", "fgrpo"}  # their bootstraps take most of the check's time
-ALL = os.environ.get("FTIS_DOCUMENTS") == "1"
 STUDIES = [
-    pytest.param(
-        p,
-        id=p.stem,
-        marks=pytest.mark.skipif(
-            p.stem in SLOW and not ALL, reason="a minute of bootstraps: set FTIS_DOCUMENTS=1"
-        ),
-    )
+    pytest.param(p, id=p.stem, marks=[pytest.mark.long] if p.stem in SLOW else [])
     for p in _committed()
 ]
 
