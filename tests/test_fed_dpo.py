@@ -493,6 +493,7 @@ def test_centralized_baseline_trains_on_the_union_and_resumes(tmp_path: Path) ->
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_ftis_run_through_flower_simulation(tmp_path: Path) -> None:
     """The real path: `ftis run` hands the config to FedDPO's launcher, Flower's simulation
     engine on Ray runs two clients for two rounds; the standard run directory comes out."""

@@ -125,9 +125,12 @@ def test_a_silent_peer_is_dropped_after_the_timeout(store):
     _, client = store
     ms, exs = _group(client, 2, timeout_s=0.5)
     _round(exs, 0)
+    # Timed from the heartbeat's stop, as the timeout is (its last beat was at most heartbeat_s
+    # = 0.05 s earlier): timed from the round's start, a busy machine could spend most of the
+    # timeout before the round and the drop would look early.
+    t0 = time.monotonic()
     ms[1]._stop.set()  # heartbeat thread stops, nothing is marked
     time.sleep(0.1)
-    t0 = time.monotonic()
     got = _round(exs, 1, skip=(1,))
     waited = time.monotonic() - t0
     assert got[0][1] is None and 1 in ms[0].lost
