@@ -9,10 +9,9 @@ import json
 import os
 import subprocess
 import sys
-
-import pytest
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
