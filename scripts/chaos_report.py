@@ -124,7 +124,7 @@ def read_cases(*files: Path) -> list[dict]:
                 "orphans": int(r.get("chaos_orphans", 0)),
                 "orphan_commands": r.get("chaos_orphan_commands", ""),
                 "seconds": float(r.get("chaos_seconds", 0.0)),
-                "default": bool(r.get("chaos_default_suite")),
+                "tier": r.get("chaos_tier", "default"),
             }
     return list(found.values())
 
@@ -180,9 +180,10 @@ def render(
         ]
         for c in rows:
             orphan = str(c["orphans"]) + (f" ({c['orphan_commands']})" if c["orphans"] else "")
+            default = "yes" if c["tier"] == "default" else f"no ({c['tier']})"
             lines.append(
                 f"| {c['case']} | {c['result']} | {c['crashes']} | {orphan} | "
-                f"{c['seconds']:.0f} | {'yes' if c['default'] else 'no (chaos)'} | {c['test']} |"
+                f"{c['seconds']:.0f} | {default} | {c['test']} |"
             )
         for case, why in NOT_RUN.get(mode, []):
             lines.append(f"| {case} | not run: {why} | | | | | |")

@@ -117,7 +117,10 @@ def pytest_runtest_call(item: pytest.Item):
     item.user_properties += [
         ("chaos_mode", mark.args[0]),
         ("chaos_case", mark.args[1]),
-        ("chaos_default_suite", int(item.get_closest_marker("chaos") is None)),
+        (
+            "chaos_tier",
+            next((m for m in ("chaos", "long") if item.get_closest_marker(m)), "default"),
+        ),
     ]
     prctl = stop._prctl()
     if prctl is not None:

@@ -23,7 +23,7 @@ def _line(test: str, mode: str, case: str, result: str = "held", **counts) -> st
             "result": result,
             "chaos_mode": mode,
             "chaos_case": case,
-            "chaos_default_suite": 0,
+            "chaos_tier": "chaos",
             "chaos_orphans": 0,
             "chaos_crashes": 0,
             "chaos_seconds": 12.0,

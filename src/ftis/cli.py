@@ -626,7 +626,8 @@ def basemodels_build(
             console.print(f"{name}: step {step}/{total}, loss {loss:.3f}", highlight=False)
 
     built = build(uses, out=out or ROOT, only=only, rebuild=rebuild, progress=progress)
-    console.print(f"built {len(built)} base model(s) into {out or ROOT}: {', '.join(built)}")
+    names = ", ".join(built) or "none, every one is shipped and intact (--rebuild retrains them)"
+    console.print(f"built {len(built)} base model(s) into {out or ROOT}: {names}")
 
 
 models_app = typer.Typer(

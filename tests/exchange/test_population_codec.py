@@ -145,3 +145,10 @@ def test_random_mutations_only_ever_raise_payload_errors():
                 _decode(blob)
             except PayloadError:
                 pass
+
+
+def test_a_wrong_call_is_the_callers_error_not_a_bad_payload():
+    """Only the payload's faults become PayloadError (counted as a peer's); a misspelt or
+    missing argument raises TypeError at the call."""
+    with pytest.raises(TypeError):
+        PopulationCodec().decode(b"\x00" * 64, kind=0, round=1)  # round_, and more, missing

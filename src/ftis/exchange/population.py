@@ -24,6 +24,7 @@ Layout, little-endian (docs/wire-format.md has the rollout format; this one is s
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import struct
 import zlib
@@ -80,10 +81,13 @@ def payload_size(n_values: int, direction_lengths: Sequence[int] = ()) -> int:
 
 def _payload_errors(decode: Callable[..., PopulationPayload]) -> Callable[..., PopulationPayload]:
     """`decode` with any error other than a PayloadError (struct errors, anything unforeseen)
-    turned into one: a malformed payload is still only a bad payload."""
+    turned into one: a malformed payload is still only a bad payload. A wrong call (a missing or
+    misspelt argument) is the caller's bug, not the peer's: it raises TypeError as before."""
+    signature = inspect.signature(decode)
 
     @functools.wraps(decode)
     def checked(*args: Any, **kwargs: Any) -> PopulationPayload:
+        signature.bind(*args, **kwargs)  # TypeError here, outside the payload's try
         try:
             return decode(*args, **kwargs)
         except PayloadError:
