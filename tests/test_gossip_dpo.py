@@ -94,6 +94,7 @@ def test_a_killed_agent_is_dropped_and_the_others_finish(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_gossip_resumes_exactly_from_checkpoints(tmp_path):
     """Two agents, 3 rounds in one go, or 2 rounds and then `--resume` to 3: the same rows."""
     res, whole = _run(tmp_path, _gossip_config(["a", "b"], steps=3), "whole")

@@ -225,6 +225,7 @@ def test_a_lost_node_does_not_stop_the_others_and_resumes_alone(tmp_path):
     assert all("exchange/peers" not in r or r["exchange/peers"] == 0 for r in resumed)
 
 
+@pytest.mark.long
 def test_ctrl_c_checkpoints_every_node(tmp_path):
     """Ctrl-C to `ftis run`: the parent forwards it, every node ends its step, writes a
     checkpoint and exits; the run exits 130 and says how to resume. Each node's rows are exactly

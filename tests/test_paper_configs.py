@@ -84,6 +84,7 @@ def stand_ins(tmp_path_factory) -> dict[str, str]:
     return out
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("path", PAPER, ids=lambda p: p.stem)
 def test_paper_config_starts_on_stand_ins(path, stand_ins, tmp_path):
     cfg = load_config(path)

@@ -403,6 +403,7 @@ def test_poisoning_attacks_live_under_testing_adversary_only():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_the_poisoning_config_logs_attack_success_and_trust_for_every_node(tmp_path):
     """configs/poisoning.yaml at its smallest: four processes, 2 steps of 4 prompts (one per
     node), evaluations of 8 problems at steps 0 and 2. Every node logs attack/success next to

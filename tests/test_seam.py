@@ -212,6 +212,7 @@ def serve_tally(ctx) -> None:
 register_algorithm("tally", TallyConfig, Tally, service=serve_tally)
 
 
+@pytest.mark.long
 def test_a_service_rank_runs_beside_the_nodes(tmp_path, monkeypatch):
     """Two nodes and a server (a rank that trains nothing) run as three processes; the server's
     rows carry `node: server`, and the handshake accepts a rank without a tokenizer."""

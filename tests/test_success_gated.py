@@ -97,6 +97,7 @@ def test_success_gating_needs_joint_groups_and_is_not_for_a_swarm():
         RunConfig.model_validate(data)
 
 
+@pytest.mark.long
 def test_a_gated_run_sends_successes_and_drops_a_peers_failures(tmp_path):
     """Node `a` rewards everything (its own verifier says every completion is a success), so it
     sends all it answers; `b` sends only what the task's verifier rewards. b drops and counts
