@@ -29,8 +29,11 @@ TASK = build_task(ArithmeticTaskConfig(ops={"+": 1.0}))
 def test_bf16_sampling_records_the_exact_f32_logprobs_of_its_draws(temperature):
     model = build_model(ModelConfig(preset="llama-xs", init_seed=2))
     seen: list[torch.Tensor] = []
-    # the LM head sees the logits of the prompt pass and of every decode step
-    model.lm_head.register_forward_hook(lambda m, i, out: seen.append(out[:, -1, :].detach()))
+    # the LM head sees the logits of the prompt pass ((N, V): its last positions only) and of
+    # every decode step ((N, 1, V))
+    model.lm_head.register_forward_hook(
+        lambda m, i, out: seen.append((out[:, -1, :] if out.dim() == 3 else out).detach())
+    )
     G, T = 2, 6
     noise = torch.rand((len(PROMPTS) * G, T), generator=torch.Generator().manual_seed(0))
     s = sample(

@@ -88,3 +88,39 @@ def decode_step(
         return head(inner.norm(h))[:, -1, :]
 
     return step
+
+
+def prefill_step(
+    model: torch.nn.Module,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, object], torch.Tensor] | None:
+    """A function ``prefill(ids, mask, position_ids, cache) -> logits`` for `model`, or None
+    (the architectures `decode_step` serves; the sampler then calls `forward` with
+    ``logits_to_keep=1``).
+
+    It runs the model's body (`LlamaModel` / `Qwen2Model`, filling `cache`) and applies the LM
+    head to each row's last position as a 2-D (N, d) matrix. `forward` applies the head to the
+    3-D slice ``h[:, -1:, :]``, which torch's CPU matmul runs in bf16 as a batched product with
+    the (V, d) head weight expanded and copied once per row: for SmolLM2-135M's 49,152 x 576
+    head, 8 prompts made that copy 3.5 s of a 17 s bf16 rollout (none in float32, where the
+    slice folds into one matrix product). Returns the (N, V) logits of the first new token."""
+    base = base_model(model)
+    if not _supported(base):
+        return None
+    inner, head = base.model, base.lm_head
+    cache_arg = "cache" if "cache" in inspect.signature(inner.forward).parameters else None
+    if cache_arg is None:
+        cache_arg = "past_key_values"
+
+    def prefill(
+        ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, cache
+    ) -> torch.Tensor:
+        h = inner(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            use_cache=True,
+            **{cache_arg: cache},
+        ).last_hidden_state
+        return head(h[:, -1, :].contiguous())
+
+    return prefill

@@ -19,7 +19,7 @@ import torch
 from ftis.models.logprobs import _cache_kwarg, position_ids_from_mask
 from ftis.models.precision import compute_context
 from ftis.rollout.cache import preallocated_cache
-from ftis.rollout.decode import decode_step
+from ftis.rollout.decode import decode_step, prefill_step
 
 
 @dataclass
@@ -207,15 +207,20 @@ def _sample_loop(
     # Each prompt runs through the model once; its KV cache and last logits are then
     # gathered to its num_samples rows (the prompt's G completions share them).
     unique_ids, unique_mask = left_pad(prompts, pad_id)
-    out = model(
-        input_ids=unique_ids.to(device),
-        attention_mask=unique_mask.to(device),
-        position_ids=position_ids_from_mask(unique_mask.to(device)),
-        **cache_kw,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    logits = out.logits[:, -1, :]
+    unique_ids, unique_mask = unique_ids.to(device), unique_mask.to(device)
+    prefill = prefill_step(model)  # the model's body, then its head on (N, d): decode.py
+    if prefill is not None:
+        logits = prefill(unique_ids, unique_mask, position_ids_from_mask(unique_mask), cache)
+    else:
+        out = model(
+            input_ids=unique_ids,
+            attention_mask=unique_mask,
+            position_ids=position_ids_from_mask(unique_mask),
+            **cache_kw,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits = out.logits[:, -1, :]
     if num_samples > 1:
         row_of = torch.arange(len(prompts), device=device).repeat_interleave(num_samples)
         cache.batch_select_indices(row_of)
@@ -233,7 +238,7 @@ def _sample_loop(
     for t in range(max_new_tokens):
         logits = logits.float()
         if temperature > 0:
-            scaled = logits / temperature
+            scaled = logits / temperature if temperature != 1.0 else logits  # x / 1 == x
             if truncated:
                 scaled = truncate_logits(scaled, top_k=top_k, top_p=top_p)
             logp = torch.log_softmax(scaled, dim=-1)
