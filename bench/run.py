@@ -2,6 +2,7 @@
 
 ftis bench                 # full suite (about 40 min on 2 idle cores), rewrites docs/BENCHMARKS.md
 ftis bench --quick --json  # a short version (under 10 min); prints the summary as one JSON object
+ftis bench --report-only   # rewrites docs/BENCHMARKS.md from docs/results/*.json, measures nothing
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from bench import profile, rollout, scale, scaling, trl_step, wire
 from bench.common import bench_model, environment
 from bench.scale_report import scale_section, scale_summary_rows
+from bench.separate import separate_section
 
 SUMMARY_KEYS = (
     "trl_step_time_ratio",
@@ -121,6 +123,7 @@ def markdown(r: dict) -> str:
         f"| wire bytes per completion token, `f32` exact default (embedded / Qwen-vocabulary batch) | "
         f"{_f(w['wire_embedded_f32_bpt'], 2)} / {_f(w['wire_long_f32_bpt'], 2)} | <= 4 |",
         "",
+        *separate_section(),
         f"## a. Training step vs TRL {'(quick)' if r['quick'] else ''}",
         "",
         f"Model: the warm-started `{r['model']}` preset (identical weights on both sides); 16 "
@@ -325,4 +328,15 @@ def main(quick: bool = False, out: Path | None = None, threads: int = 1) -> dict
         out.write_text(markdown(results))
         (out.parent / "results").mkdir(exist_ok=True)
         (out.parent / "results" / "bench.json").write_text(json.dumps(results, indent=2))
+    return results
+
+
+def rewrite(out: Path) -> dict:
+    """Rewrite the report `out` from the last full run's raw numbers (`results/bench.json` beside
+    it) and the separate pages' .json, measuring nothing (`ftis bench --report-only`)."""
+    raw = out.parent / "results" / "bench.json"
+    if not raw.exists():
+        raise FileNotFoundError(f"{raw} does not exist: run `ftis bench` first")
+    results = json.loads(raw.read_text())
+    out.write_text(markdown(results))
     return results

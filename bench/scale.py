@@ -206,7 +206,9 @@ def _ftis_round(
     t0 = time.perf_counter()
     with phase("sample"):
         s = sample(
-            node.model,
+            # train.sampler_dtype bfloat16: the node's bf16 copy, refreshed from its weights
+            # (the refresh is part of the sampling time, as in training)
+            node.sampling_model(cfg.get("sampler_dtype", "float32")),
             prompts,
             num_samples=G,
             max_new_tokens=T,

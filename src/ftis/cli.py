@@ -507,6 +507,14 @@ def bench(
             help="Torch threads per process (1 keeps ratios stable on a busy machine).",
         ),
     ] = 1,
+    report_only: Annotated[
+        bool,
+        typer.Option(
+            "--report-only",
+            help="Rewrite the report from docs/results/bench.json and the separate benchmarks' "
+            ".json files; measure nothing.",
+        ),
+    ] = False,
 ) -> None:
     """Benchmarks side by side (ftis vs TRL, sampler vs generate, wire cost, scaling, memory,
     realistic scale with utilisation and a profile).
@@ -522,11 +530,20 @@ def bench(
             "git clone the project and pip install -e '.[dev]'"
         )
     sys.path.insert(0, str(repo))
-    from bench.run import flat_summary
+    from bench.run import flat_summary, rewrite
     from bench.run import main as bench_main
 
     if out is None and not quick:
         out = repo / "docs" / "BENCHMARKS.md"
+    if report_only:
+        if out is None:
+            _fail("--report-only rewrites a report: leave out --quick, or give --out")
+        try:
+            rewrite(out)
+        except FileNotFoundError as e:
+            _fail(str(e))
+        console.print(f"report: {out}")
+        return
     results = bench_main(quick=quick, out=out, threads=threads)
     if as_json:
         typer.echo(json.dumps(flat_summary(results)))

@@ -1,0 +1,102 @@
+"""The benchmarks that run on their own (each its own command, page and .json under
+docs/results/), summarised in docs/BENCHMARKS.md from their .json files: a figure, the target it
+answers, and the page, with the commit that measured it. A page whose .json is missing is
+listed with the command that makes it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+
+
+def _bf16(r: dict) -> list[tuple[str, str, str]]:
+    out = []
+    for row in r["rows"]:
+        if row["threads"] != 1:
+            continue
+        target = "<= 0.55" if row["model"].startswith("SmolLM2") else "<= 0.6"
+        out.append(
+            (
+                f"rollout time, bf16 sampler / f32 sampler, {row['model']} (1 thread; "
+                f"`generate` bf16 / f32: {row['generate_ratio']:.3f})",
+                f"{row['ftis_ratio']:.3f}",
+                target,
+            )
+        )
+    for s in r.get("skipped", []):
+        out.append((f"rollout time, bf16 / f32 sampler, {s['model']}", f"skipped: {s['why']}", "-"))
+    return out
+
+
+def _trl(r: dict) -> list[tuple[str, str, str]]:
+    return [
+        (
+            f"training step, ftis / TRL GRPOTrainer, SmolLM2-135M-Instruct ({r['best_ftis']} / "
+            f"{r['best_trl']}, {r['threads']} threads; both f32: {r['ratio_f32']:.3f})",
+            f"{r['ratio']:.3f}",
+            "<= 0.5",
+        )
+    ]
+
+
+def _jobs(r: dict) -> list[tuple[str, str, str]]:
+    same = "identical results" if not r["differ"] else f"{len(r['differ'])} runs differ"
+    return [
+        (
+            f"`ftis sweep --jobs 2` speed-up over `--jobs 1`, first {len(r['runs'])} runs of "
+            f"`{r['study']}` ({same})",
+            f"{r['speedup']:.2f}x",
+            ">= 1.6x, identical",
+        )
+    ]
+
+
+def _wire(r: dict) -> list[tuple[str, str, str]]:
+    row = r["rows"][0]
+    return [
+        (
+            f"wire bytes per completion token, `compact`, SmolLM2's vocabulary of {row['vocab']} "
+            f"({row['batch']})",
+            f"{row['compact']['bytes_per_token']:.2f}",
+            "-",
+        )
+    ]
+
+
+# (page stem, the command that writes it, rows from its .json)
+SEPARATE: tuple[tuple[str, str, Callable[[dict], list[tuple[str, str, str]]]], ...] = (
+    ("bf16-sampler", "python -m bench.sampler_dtype", _bf16),
+    ("trl-smollm2", "python -m bench.trl_real", _trl),
+    ("sweep-jobs", "python -m bench.sweep_jobs", _jobs),
+    ("wire-smollm2", "python -m bench.wire_real", _wire),
+)
+
+
+def _commit(r: dict) -> str:
+    return r.get("commit") or r.get("environment", {}).get("commit") or "not recorded"
+
+
+def separate_section(results: Path = RESULTS) -> list[str]:
+    lines = [
+        "## Measured on their own",
+        "",
+        "Benchmarks that have a command and a page of their own, each measured in its own run "
+        "(the commit and the machine are on its page); this table is read from their .json "
+        "files when this page is written.",
+        "",
+        "| figure | value | target | page (commit) |",
+        "|---|---|---|---|",
+    ]
+    for stem, command, rows in SEPARATE:
+        path = results / f"{stem}.json"
+        if not path.exists():
+            lines.append(f"| `{command}` | not run yet | - | - |")
+            continue
+        r = json.loads(path.read_text())
+        page = f"[{stem}.md](results/{stem}.md) (`{_commit(r)}`)"
+        for figure, value, target in rows(r):
+            lines.append(f"| {figure} | {value} | {target} | {page} |")
+    return [*lines, ""]
