@@ -88,6 +88,9 @@ register_study_renderer(
 # The poisoning study's document (studies/poisoning.yaml -> docs/results/poisoning.md): attack
 # success and the honest nodes' accuracy per loss and defence, with paired intervals.
 register_study_renderer("poisoning", "ftis.algos.ftis.poisoning:render", kinds=("arms",))
+# The bf16-sampler study's document (studies/bf16-sampler.yaml -> docs/results/bf16-learning.md):
+# learning with `train.sampler_dtype: bfloat16` against float32, corrected and uncorrected.
+register_study_renderer("sampler-dtype", "ftis.algos.ftis.sampler_study:render", kinds=("arms",))
 
 
 def _register_fgrpo() -> None:

@@ -1,0 +1,184 @@
+"""The bf16-sampler study's document (`results: sampler-dtype`, studies/bf16-sampler.yaml): does
+learning hold when the sampler runs on a bf16 copy of the weights (`train.sampler_dtype`) and
+the update corrects the sampler/trainer mismatch, and what does the mismatch cost without a
+correction?
+
+Per arm and node: greedy accuracy at step 0 and at the last step (evals.jsonl), the mismatch the
+bf16 copy introduced (`rollout/mismatch_k3`: mean k3 between the trainer's and the sampler's
+log-probs of the node's own sampled tokens, at the weights they were drawn with), the share of
+sequences the F-TIS filter removed (`loss/filtered_frac`) and the mean and largest per-token IS
+weight (`loss/is_weight_mean`, `loss/is_weight_max`), each a mean over the RL steps, then over
+seeds. Paired differences of final accuracy, per node, against the arm the option maps it to:
+
+    options:
+      baseline: {<arm>: <arm it is compared with>}
+
+A difference resamples seeds and test problems (ftis.study.stats) and is bold only where its
+interval excludes zero.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ftis.study.arms import ArmResult
+from ftis.study.pages import Page, arms_renderer, section
+from ftis.study.stats import read_evals
+from ftis.study.tables import DIFFERENCES_NOTE, Differences, fmt_pct, spread
+from ftis.study.tables import table as _table
+
+SPLIT = "test"
+STEP_MEANS = (
+    ("rollout/mismatch_k3", 1e3, 3),
+    ("loss/filtered_frac", 100.0, 2),
+    ("loss/is_weight_mean", 1.0, 4),
+    ("loss/is_weight_max", 1.0, 2),
+)
+
+
+def _runs(results: list[ArmResult], arm: str) -> list[ArmResult]:
+    return [r for r in results if r.run.arm == arm]  # type: ignore[attr-defined]
+
+
+def _nodes(res: ArmResult) -> list[str]:
+    return [n.name for n in res.run.config.nodes]
+
+
+def _sampler(res: ArmResult) -> str:
+    return res.run.config.train.sampler_dtype
+
+
+def _loss(res: ArmResult) -> str:
+    return ", ".join(sorted({n.loss.method for n in res.run.config.nodes}))
+
+
+def _final_step(res: ArmResult) -> int:
+    return res.run.config.train.steps
+
+
+def _accuracy(res: ArmResult, node: str, step: int) -> float | None:
+    for r in res.node_rows(node):
+        if int(r["step"]) == step and "eval/accuracy" in r:
+            return float(r["eval/accuracy"])
+    return None
+
+
+def _step_mean(res: ArmResult, node: str, key: str) -> float | None:
+    vals = [float(r[key]) for r in res.node_rows(node) if int(r["step"]) > 0 and key in r]
+    return float(np.mean(vals)) if vals else None
+
+
+def _outcomes(runs: list[ArmResult], out_dir: Path, node: str) -> dict[int, np.ndarray]:
+    """seed -> the node's greedy test outcomes at the run's last step."""
+    out: dict[int, np.ndarray] = {}
+    for r in runs:
+        try:
+            evals = read_evals(out_dir / r.run.id)
+        except FileNotFoundError:
+            continue
+        if node in evals and SPLIT in evals[node]:
+            out[r.run.seed] = evals[node][SPLIT].at_step(_final_step(r))
+    return out
+
+
+def arm_table(page: Page) -> list[str]:
+    rows = []
+    for arm, spec in page.study.spec.arms.items():  # type: ignore[attr-defined]
+        runs = _runs(page.results, arm)
+        if not runs:
+            continue
+        for node in _nodes(runs[0]):
+            cells = []
+            for key, scale, digits in STEP_MEANS:
+                vals = [
+                    v * scale for r in runs for v in [_step_mean(r, node, key)] if v is not None
+                ]
+                cells.append(spread(vals, digits) if vals else "-")
+            rows.append(
+                [
+                    spec.label or arm,
+                    Path(spec.config).stem,  # the config file the arm runs
+                    f"`{node}`",
+                    _sampler(runs[0]),
+                    _loss(runs[0]),
+                    str(len(runs)),
+                    fmt_pct([v for r in runs for v in [_accuracy(r, node, 0)] if v is not None]),
+                    fmt_pct(
+                        [
+                            v
+                            for r in runs
+                            for v in [_accuracy(r, node, _final_step(r))]
+                            if v is not None
+                        ]
+                    ),
+                    *cells,
+                ]
+            )
+    header = [
+        "arm",
+        "config",
+        "node",
+        "sampler",
+        "loss",
+        "seeds",
+        "accuracy step 0 (%)",
+        "accuracy final (%)",
+        "mismatch k3 (x 1e-3)",
+        "filtered (%)",
+        "IS weight mean",
+        "IS weight max",
+    ]
+    return _table(header, rows)
+
+
+def difference_table(page: Page) -> tuple[list[str], str]:
+    baselines: dict[str, str] = (page.study.spec.options or {}).get("baseline", {})  # type: ignore[attr-defined]
+    arms = page.study.spec.arms  # type: ignore[attr-defined]
+    diffs = Differences()
+    rows = []
+    for arm, base in baselines.items():
+        runs, base_runs = _runs(page.results, arm), _runs(page.results, base)
+        if not runs or not base_runs:
+            continue
+        a_label, b_label = arms[arm].label or arm, arms[base].label or base
+        for node in _nodes(runs[0]):
+            label = f"{a_label} − {b_label}, {node}"
+            a = _outcomes(runs, page.out_dir, node)
+            b = _outcomes(base_runs, page.out_dir, node)
+            rows.append([a_label, b_label, f"`{node}`", diffs.cell(label, a, b)])
+    header = ["arm (A)", "compared with (B)", "node", "final accuracy: A − B (points)"]
+    return _table(header, rows), diffs.summary()
+
+
+ARM_NOTE = (
+    "Greedy accuracy on the config's held-out test split, mean ± sample std over seeds. The "
+    "mismatch, filter and IS-weight columns are means over RL steps (then seeds) of each step's "
+    "value: k3 between the trainer's (float32) and the sampler's log-probs of the node's own "
+    "tokens, at the weights they were sampled with (logged only when the sampler runs on a "
+    "bf16 copy); the share of sequences the F-TIS filter removed; the per-token ratio "
+    "exp(trainer − sampler log-prob) over the tokens trained on (a diagnostic, logged for every "
+    "loss: NoIS does not use it, TIS caps it)."
+)
+RESAMPLED_NOTE = " Intervals resample seeds and test problems."
+
+
+def _body(page: Page) -> list[str]:
+    diff, summary = difference_table(page)
+    return [
+        *section("Every arm", arm_table(page), ARM_NOTE),
+        *section(
+            "Paired differences with intervals",
+            [*diff, "", summary],
+            DIFFERENCES_NOTE + RESAMPLED_NOTE,
+        ),
+    ]
+
+
+render: Any = arms_renderer(
+    title="a bf16 sampler against the f32 one",
+    note="Figures are per node, mean ± sample std over seeds.",
+    body=_body,
+)
