@@ -182,3 +182,23 @@ def test_a_forgotten_borrow_is_a_subtraction_corruption():
     wrong = corrupt("457-386=", solution("457-386="), "carry", random.Random(0), traced=True)
     assert wrong == "7-6=1,5-8=7,4-3=1#171"
     assert corrupt("77-35=", solution("77-35="), "carry", random.Random(0), traced=True) is None
+
+
+def test_a_forgotten_remainder_is_a_division_corruption():
+    """div (issue 35): the `carry` mistake divides every digit on its own (each remainder
+    forgotten); a quotient without remainders has none to forget; a wrong step's answer is
+    spelled as a quotient (its digits in order)."""
+    import random
+
+    from ftis.preferences.embedded import corrupt
+    from ftis.tasks.reasoning import ReasoningTask, solution
+
+    task = ReasoningTask()
+    wrong = corrupt("852/4=", solution("852/4="), "carry", random.Random(0), traced=True)
+    assert wrong == "8/4=2,5/4=1,2/4=0#210"
+    assert corrupt("842/2=", solution("842/2="), "carry", random.Random(0), traced=True) is None
+    step = corrupt("852/4=", solution("852/4="), "step", random.Random(1), traced=True)
+    trace, _, answer = step.rpartition("#")
+    assert answer == str(int("".join(s.split("=")[1] for s in trace.split(","))))
+    problem = type("P", (), {"answer": "213"})()
+    assert task.reward(problem, step) == 0.0 and task.reward(problem, wrong) == 0.0

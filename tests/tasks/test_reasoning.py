@@ -35,6 +35,10 @@ def _digits(question: str) -> tuple[str, list[int]]:
         a, m = question[:-1].split("*")
         assert len(m) == 1
         return "mul", [len(a)]
+    if "/" in question:
+        a, m = question[:-1].split("/")
+        assert len(m) == 1
+        return "div", [len(a)]
     if "-" in question:
         return "sub", [len(x) for x in question[:-1].split("-")]
     return "add", [len(x) for x in question[:-1].split("+")]
@@ -239,6 +243,58 @@ class TestDistribution:
             assert len(text.split("#")[0].split(",")) == digits[0]  # one step per column
             assert len(text) + 1 <= 64  # trace + EOS fit the generation budget used for mul
 
+    def test_division_traces_long_division_and_end_in_the_quotient(self):
+        assert solution("852/4=") == "8/4=2,5/4=1,12/4=3#213"
+        assert solution("347/6=") == "3/6=0,34/6=5,47/6=7#57"  # leading zero dropped
+        assert solution("100/7=") == "1/7=0,10/7=1,30/7=4#14"
+        assert solution("7/8=") == "7/8=0#0"
+        assert parse_question("852/4=") == ("div", [852, 4])
+        for bad in ("85/1=", "85/10=", "85/0="):  # one divisor digit, 2-9
+            with pytest.raises(ValueError, match="not a reasoning question"):
+                parse_question(bad)
+        task = ReasoningTask(ReasoningTaskConfig(skills={"div": 1.0}, min_digits=2, max_digits=4))
+        for p in task.split("train")[:N] + list(task.split("test")) + list(task.split("ood")):
+            text = solution(p.question)
+            skill, digits = _digits(p.question)
+            a, m = (int(x) for x in p.question[:-1].split("/"))
+            assert skill == "div" and 2 <= m <= 9
+            assert int(p.answer) == a // m  # independent oracle
+            assert extract_answer(text) == p.answer and task.reward(p, text) == 1.0
+            assert len(text.split("#")[0].split(",")) == digits[0]  # one step per digit
+            # each step: the remainder so far times 10 plus the next digit, over m
+            rest = 0
+            for step, digit in zip(text.split("#")[0].split(","), str(a), strict=True):
+                lhs, value = step.split("=")
+                assert lhs == f"{10 * rest + int(digit)}/{m}"
+                assert int(value) == (10 * rest + int(digit)) // m
+                rest = (10 * rest + int(digit)) % m
+
+    def test_a_fourth_skill_leaves_the_earlier_skills_draws_unchanged(self):
+        # SKILLS order: a config without div draws exactly what it drew before div existed
+        three = ReasoningTask(ReasoningTaskConfig(skills={"add": 1.0, "mul": 1.0, "sub": 1.0}))
+        with_div = ReasoningTask(
+            ReasoningTaskConfig(skills={"add": 1.0, "mul": 1.0, "sub": 1.0, "div": 0.0})
+        )
+        assert [p.question for p in three.split("train")[:200]] == [
+            p.question for p in with_div.split("train")[:200]
+        ]
+        four = ReasoningTask(
+            ReasoningTaskConfig(
+                skills={"add": 1.0, "mul": 1.0, "sub": 1.0, "div": 1.0},
+                ood={"div": {"skills": {"div": 1.0}, "size": 64}},
+            )
+        )
+        assert {_digits(p.question)[0] for p in four.split("train")[:400]} == {
+            "add",
+            "mul",
+            "sub",
+            "div",
+        }
+        heldout = list(four.split("div"))
+        assert len(heldout) == 64 and all(_digits(p.question)[0] == "div" for p in heldout)
+        assert all(is_heldout(p.question) for p in heldout)
+        assert not any(is_heldout(p.question) for p in four.split("train")[:400])
+
     def test_three_skills_and_a_small_subtraction_space(self):
         task = ReasoningTask(
             ReasoningTaskConfig(
@@ -274,7 +330,7 @@ class TestDistribution:
     @pytest.mark.parametrize(
         ("cfg", "match"),
         [
-            ({"skills": {"div": 1.0}}, "unknown skill"),
+            ({"skills": {"pow": 1.0}}, "unknown skill"),
             ({"skills": {"add": 0.0, "mul": 0.0}}, "all zero"),
             ({"max_digits": {"add": 3}}, "missing"),
             ({"min_digits": 4, "max_digits": 3}, "need 1 <= min_digits"),

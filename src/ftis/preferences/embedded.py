@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 
 from ftis.preferences.data import PreferencePair
 from ftis.tasks.base import Problem, Task
-from ftis.tasks.reasoning import parse_question
+from ftis.tasks.reasoning import answer_of, parse_question
 
 CORRUPTIONS = ("own", "answer", "carry", "step", "truncate")
 TRACE_TASKS = ("reasoning",)
@@ -47,12 +47,6 @@ def _steps(trace: str) -> list[tuple[str, int]]:
         lhs, _, value = step.rpartition("=")
         out.append((lhs, int(value)))
     return out
-
-
-def _answer_from(values: Sequence[int]) -> str:
-    """The answer a trace spells (ftis.tasks.reasoning): the last value, then the last digit of
-    every earlier value, last first."""
-    return str(values[-1]) + "".join(str(v % 10) for v in reversed(values[:-1]))
 
 
 def _join(steps: Sequence[tuple[str, int]], answer: str | None) -> str:
@@ -93,8 +87,8 @@ def corrupt(
         d = rng.randint(1, 3)
         wrong = v - d if v - d >= 0 and rng.random() < 0.5 else v + d
         steps = [*steps[:k], (lhs, wrong), *steps[k + 1 :]]
-        return _join(steps, _answer_from([v for _, v in steps]))
-    # carry: the column steps computed as if every carry were 0
+        return _join(steps, answer_of(parse_question(question)[0], [v for _, v in steps]))
+    # carry: the column steps computed as if every carry (borrow, remainder) were 0
     skill, operands = parse_question(question)
     width = len(str(operands[0]))
     digits = [[(x // 10**k) % 10 for k in range(width)] for x in operands]
@@ -107,13 +101,13 @@ def corrupt(
             (f"{digits[0][k]}-{digits[1][k]}", (digits[0][k] - digits[1][k]) % 10)
             for k in range(width)
         ]
+    elif skill == "div":  # every remainder forgotten: each digit divided on its own
+        m = operands[1]
+        forgot = [(f"{d}/{m}", int(d) // m) for d in str(operands[0])]
     else:
         m = operands[1]
         forgot = [(f"{digits[0][k]}*{m}", digits[0][k] * m) for k in range(width)]
-    answer = _answer_from([v for _, v in forgot])
-    if skill == "sub":  # a difference's answer drops its leading zeros (ftis.tasks.reasoning)
-        answer = str(int(answer))
-    out = _join(forgot, answer)
+    out = _join(forgot, answer_of(skill, [v for _, v in forgot]))
     return None if out == chosen else out
 
 

@@ -27,14 +27,22 @@ Skills (chosen per problem by the ``skills`` weights):
 
       457-386=   ->   7-6=1,15-8=7,4-3-1=0#71
 
+- ``div``: a ``d``-digit number divided by one digit (2-9), the quotient without its remainder,
+  by long division left to right: each step divides the remainder so far (times 10) plus the
+  next digit, and its value is one digit of the quotient (``terms`` does not apply)::
+
+      852/4=     ->   8/4=2,5/4=1,12/4=3#213
+      347/6=     ->   3/6=0,34/6=5,47/6=7#57
+
 The answer is the last step's value followed by the last digit of every earlier step's value,
 last step first (here ``8``, ``4``, ``3``); for ``sub`` every step's value is one digit of the
-difference, and the answer drops the leading zeros (``071`` is ``71``).
+difference, and the answer drops the leading zeros (``071`` is ``71``); for ``div`` the steps'
+values are the quotient's digits in order, leading zeros dropped (``057`` is ``57``).
 
 Completion format (what the verifier accepts), after stripping surrounding whitespace::
 
     completion := step ("," step)* "#" answer
-    step       := number (op number)+ "=" number        op in "+", "*", "-"
+    step       := number (op number)+ "=" number        op in "+", "*", "-", "/"
     answer     := "-"? number                            number := [0-9]+
 
 Reward (the paper's format + answer reward): 1.0 when the completion is well formed **and** its
@@ -96,11 +104,11 @@ from ftis.tasks.generated import (
 
 logger = logging.getLogger(__name__)
 
-SKILLS = ("add", "mul", "sub")  # new skills go last: earlier configs draw as before
+SKILLS = ("add", "mul", "sub", "div")  # new skills go last: earlier configs draw as before
 MAX_DIGITS = 8
-MUL_DIGITS = range(2, 10)  # the one-digit multiplier of "mul"
+MUL_DIGITS = range(2, 10)  # the one-digit multiplier of "mul", the one-digit divisor of "div"
 
-_STEP = r"\d+(?:[-+*]\d+)+=\d+"
+_STEP = r"\d+(?:[-+*/]\d+)+=\d+"
 _COMPLETION = re.compile(rf"(?P<trace>{_STEP}(?:,{_STEP})*)#(?P<answer>-?\d+)")
 
 
@@ -155,8 +163,9 @@ class ReasoningTaskConfig(SeededTaskConfig):
     skills: dict[str, float] = Field(
         default_factory=lambda: {"add": 1.0, "mul": 1.0},
         description='Sampling weights over the skills "add" (column addition with carries), '
-        '"mul" (digit-by-digit multiplication by one digit) and "sub" (column subtraction with '
-        "borrows, the larger number first); need not sum to 1.",
+        '"mul" (digit-by-digit multiplication by one digit), "sub" (column subtraction with '
+        'borrows, the larger number first) and "div" (long division by one digit, the quotient); '
+        "need not sum to 1.",
     )
     min_digits: Digits = Field(
         default=2,
@@ -202,7 +211,7 @@ class ReasoningTaskConfig(SeededTaskConfig):
 
 @dataclass(frozen=True)
 class _Skill:
-    name: str  # "add" | "mul"
+    name: str  # one of SKILLS
     weight: float
     min_digits: int
     max_digits: int
@@ -224,7 +233,7 @@ class _Space:
                 n += per**self.terms
             elif skill.name == "sub":
                 n += per * (per + 1) // 2  # pairs a >= b
-            else:
+            else:  # mul, div: a d-digit number and one digit
                 n += per * len(MUL_DIGITS)
         return n
 
@@ -309,7 +318,16 @@ def _digits(x: int, width: int) -> list[int]:
 
 
 def _column_steps(operands: Sequence[int], op: str) -> list[tuple[str, int]]:
-    """(step text, step value) per column, right to left: '5+8+1=14' -> ('5+8+1', 14)."""
+    """(step text, step value) per column, right to left: '5+8+1=14' -> ('5+8+1', 14); for
+    division, per digit of the dividend, left to right: '12/4=3' -> ('12/4', 3)."""
+    if op == "/":  # a / m: the remainder so far times 10 plus the next digit, over m
+        a, m = operands
+        steps, rest = [], 0
+        for digit in str(a):
+            part = 10 * rest + int(digit)
+            steps.append((f"{part}/{m}", part // m))
+            rest = part % m
+        return steps
     width = len(str(operands[0]))
     cols = [_digits(x, width) for x in operands]
     steps, carry = [], 0
@@ -341,23 +359,37 @@ def _answer_from(values: Sequence[int]) -> str:
     return str(values[-1]) + "".join(str(v % 10) for v in reversed(values[:-1]))
 
 
+def answer_of(skill: str, values: Sequence[int]) -> str:
+    """The final answer a trace of `skill` spells from its steps' values (module docstring):
+    add and mul as `_answer_from`; sub the same, leading zeros dropped; div the quotient's
+    digits in order, leading zeros dropped."""
+    if skill == "div":
+        return str(int("".join(str(v) for v in values)))
+    answer = _answer_from(values)
+    return str(int(answer)) if skill == "sub" else answer
+
+
 def parse_question(question: str) -> tuple[str, list[int]]:
-    """('add' | 'mul' | 'sub', operands) of a question such as '457+386=', '347*6=' or
-    '457-386='."""
-    m = re.fullmatch(r"(\d+(?:\+\d+)+)=|(\d+)\*(\d)=|(\d+)-(\d+)=", question)
+    """('add' | 'mul' | 'sub' | 'div', operands) of a question such as '457+386=', '347*6=',
+    '457-386=' or '852/4='."""
+    m = re.fullmatch(
+        r"(\d+(?:\+\d+)+)=|(\d+)\*(\d)=|(\d+)-(\d+)=|(\d+)/([2-9])=", question
+    )  # fmt: skip
     if m is None:
         raise ValueError(f"not a reasoning question: {question!r}")
     if m.group(1) is not None:
         return "add", [int(x) for x in m.group(1).split("+")]
     if m.group(2) is not None:
         return "mul", [int(m.group(2)), int(m.group(3))]
+    if m.group(6) is not None:
+        return "div", [int(m.group(6)), int(m.group(7))]
     a, b = int(m.group(4)), int(m.group(5))
     if a < b or len(m.group(4)) != len(m.group(5)):  # the larger first, same digit count
         raise ValueError(f"not a reasoning question: {question!r}")
     return "sub", [a, b]
 
 
-_OPS = {"add": "+", "mul": "*", "sub": "-"}
+_OPS = {"add": "+", "mul": "*", "sub": "-", "div": "/"}
 
 
 def solution(question: str) -> str:
@@ -365,8 +397,7 @@ def solution(question: str) -> str:
     skill, operands = parse_question(question)
     steps = _column_steps(operands, _OPS[skill])
     trace = ",".join(f"{text}={value}" for text, value in steps)
-    answer = _answer_from([v for _, v in steps])
-    return f"{trace}#{int(answer) if skill == 'sub' else answer}"
+    return f"{trace}#{answer_of(skill, [v for _, v in steps])}"
 
 
 def extract_answer(completion: str) -> str | None:
@@ -380,6 +411,8 @@ def _value(skill: str, operands: Sequence[int]) -> int:
         return sum(operands)
     if skill == "sub":
         return operands[0] - operands[1]
+    if skill == "div":
+        return operands[0] // operands[1]
     return operands[0] * operands[1]
 
 
@@ -402,7 +435,7 @@ def _draw(space: _Space, seed: int, stream: str, i: int, attempt: int) -> tuple[
         operands = [rng.randint(lo, hi) for _ in range(space.terms)]
     elif skill.name == "sub":
         operands = sorted((rng.randint(lo, hi), rng.randint(lo, hi)), reverse=True)
-    else:
+    else:  # mul, div: a d-digit number and one digit
         operands = [rng.randint(lo, hi), rng.choice(MUL_DIGITS)]
     return _format(skill.name, operands), _value(skill.name, operands)
 
@@ -426,7 +459,7 @@ def _enumerate_heldout(
             combos: Iterator[tuple[int, ...]] = itertools.product(numbers, repeat=terms)
         elif skill == "sub":
             combos = ((a, b) for a in numbers for b in numbers if a >= b)
-        else:
+        else:  # mul, div
             combos = itertools.product(numbers, MUL_DIGITS)
         for operands in combos:
             q = _format(skill, operands)
