@@ -120,11 +120,10 @@ def test_joint_advantages_of_three_agents_log_each_pair():
     assert m["hacpo/peer_capability"] == pytest.approx(0.5)  # the mean over both peers
 
 
-def test_hacpo_in_a_swarm_is_refused_with_the_alternative():
+def test_hacpo_in_a_swarm_is_accepted():
     data = _cfg()
     data["algorithm"] = {"kind": "swarm", "backend": "sim"}
-    with pytest.raises(ValidationError, match="not supported in a swarm"):
-        RunConfig.model_validate(data)
+    assert RunConfig.model_validate(data).algorithm.max_staleness == 4
 
 
 def test_the_learner_passes_the_rewards_largest_value_to_hacpo():

@@ -327,7 +327,7 @@ class FTISAlgorithm:
                 per_agent: dict[int, int] = {}
                 for (_, j), c in (withheld or {}).items():
                     per_agent[j] = per_agent.get(j, 0) + c
-                self.hacpo.record(batch, rewards, withheld=per_agent)
+                self.hacpo.record(batch, rewards, withheld=per_agent, step=step)
                 adv, peer_scale, hacpo_metrics = joint_advantages(
                     batch,
                     rewards,

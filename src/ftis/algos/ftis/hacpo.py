@@ -22,14 +22,24 @@ from ftis.rollout.types import RolloutBatch
 
 class Capabilities:
     """P_j: each agent's mean success rate (reward > 0) over its last `window` training steps
-    (the steps so far, before `window` of them), keyed by the agent's rank."""
+    (the steps so far, before `window` of them), keyed by the agent's rank.
+
+    In a swarm, where peers come and go, `forget(step)` drops every agent not recorded in the
+    last `window` steps: a peer that left (or lags beyond the window) starts from nothing when it
+    is back, instead of being weighted by what it could do long ago."""
 
     def __init__(self, window: int = 5) -> None:
         self.window = window
         self.history: dict[int, deque[float]] = {}
+        self.last_seen: dict[int, int] = {}  # rank -> the last step it was recorded at
 
     def record(
-        self, batch: RolloutBatch, rewards: torch.Tensor, withheld: dict[int, int] | None = None
+        self,
+        batch: RolloutBatch,
+        rewards: torch.Tensor,
+        withheld: dict[int, int] | None = None,
+        *,
+        step: int | None = None,
     ) -> None:
         """Add this step's success rate of every agent that has completions in `batch` (or, under
         success-gated sharing, withheld ones: `withheld[j]` completions agent j answered but did
@@ -40,18 +50,33 @@ class Capabilities:
             answered = mine.numel() + withheld.get(j, 0)
             rate = float((mine > 0).sum()) / answered
             self.history.setdefault(j, deque(maxlen=self.window)).append(rate)
+            if step is not None:
+                self.last_seen[j] = step
+
+    def forget(self, step: int) -> list[int]:
+        """Drop the agents last recorded more than `window` steps before `step`; their ranks."""
+        gone = [j for j, s in self.last_seen.items() if step - s > self.window]
+        for j in gone:
+            self.history.pop(j, None)
+            del self.last_seen[j]
+        return gone
 
     def get(self, rank: int) -> float:
         h = self.history.get(rank)
         return sum(h) / len(h) if h else 0.0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"window": self.window, "history": {j: list(h) for j, h in self.history.items()}}
+        return {
+            "window": self.window,
+            "history": {j: list(h) for j, h in self.history.items()},
+            "last_seen": dict(self.last_seen),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history = {
             int(j): deque(h, maxlen=self.window) for j, h in state.get("history", {}).items()
         }
+        self.last_seen = {int(j): int(s) for j, s in state.get("last_seen", {}).items()}
 
 
 def hacpo_max_reward(loss: Any, task: Any) -> float:

@@ -3,9 +3,13 @@
     sample      G completions of every prompt of the round (the round's prompts come from
                 (seed, round): every peer answers the same prompts, whoever is present), with
                 the peer's own sampling noise (seeds.swarm_sample_seed)
-    exchange    publish, collect until the live members have published or the deadline passed
+    exchange    publish, collect until the live members have published or the deadline passed;
+                every payload carries the sender's policy version and sampling settings
+                (ftis.algos.swarm.meta)
     validate    a peer's batch may only answer this round's prompts, at most G per prompt;
-                then at most `max_peers_used` peers' batches are kept (drawn at random)
+                samples from a policy more than `max_staleness` steps behind this peer's, or
+                drawn with top-k / top-p truncation, are dropped and counted; then at most
+                `max_peers_used` peers' batches are kept (drawn at random)
     learn       F-TIS's own score / advantages / update (ftis.algos.ftis.algorithm.learn):
                 a group holds one peer's G completions of a prompt (`groups: generator`,
                 the default), or every present peer's (`groups: prompt`)
@@ -24,6 +28,7 @@ from typing import Any
 
 from ftis.algos.ftis import sharing
 from ftis.algos.ftis.algorithm import FTISAlgorithm
+from ftis.algos.swarm.meta import SampleMeta, SwarmCodec
 from ftis.exchange.swarm import SwarmTransport
 from ftis.rollout.types import RolloutBatch
 from ftis.train.context import NodeContext
@@ -46,18 +51,29 @@ class SwarmAlgorithm:
             "rejected_heartbeats_total": 0.0,
             "forged_total": 0.0,
             "dropped_silent_total": 0.0,
+            "stale_samples_total": 0.0,
+            "truncated_samples_total": 0.0,
         }
+        # the last round this peer trained on (its policy version; 0: its starting weights)
+        self.policy_step = 0
+        self.codec = SwarmCodec.wrapping(self.inner.exchange.codec)
+        self.inner.exchange.codec = self.codec
         self._barrier_reported = False
         # every peer samples whole groups of the same prompts: its own noise, not the run's
         tc = ctx.cfg.train
         self._sampling = tc.model_copy(update={"seed": swarm_sample_seed(tc.seed, ctx.rank)})
 
     def state_dict(self) -> dict[str, Any]:
-        return {"ftis": self.inner.state_dict(), "swarm": dict(self.totals)}
+        return {
+            "ftis": self.inner.state_dict(),
+            "swarm": dict(self.totals),
+            "policy_step": self.policy_step,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state.get("ftis", {}))
         self.totals.update(state.get("swarm", {}))
+        self.policy_step = int(state.get("policy_step", 0))
 
     def evaluate(self, step: int) -> dict[str, float]:
         return self.inner.evaluate(step)
@@ -77,15 +93,65 @@ class SwarmAlgorithm:
                 step=step,
             )
         with inner.timer("exchange"):
+            s = self._sampling
+            self.codec.start(step, SampleMeta(self.policy_step, s.temperature, s.top_p, s.top_k))
             received = inner.exchange.all_gather(inner._outgoing(own, step))
             received[inner.rank] = own
         with inner.timer("validate"):
             rejected = self._validate(received, indices, step)
+            judged = self._judge(received, step)
             self._subsample(received, step)
+        if inner.hacpo is not None:
+            # a peer not heard from in a capability window is forgotten (it left, or lags)
+            inner.hacpo.forget(step)
         metrics, batch = inner.learn(received, own, step, groups=self.ctx.cfg.algorithm.groups)
+        self.policy_step = step
         metrics.update(inner._exchange_metrics(own, batch, rejected))
         metrics.update(self._swarm_metrics(received, rejected))
+        metrics.update(judged)
         return metrics
+
+    def _judge(self, received: list[RolloutBatch | None], step: int) -> dict[str, float]:
+        """Drop (and count) the peers' samples this peer must not train on: from a policy more
+        than `max_staleness` steps behind its own, or drawn with top-k / top-p truncation."""
+        a = self.ctx.cfg.algorithm
+        stale = truncated = 0
+        ages = []
+        for peer, meta in sorted(self.codec.received.items()):
+            b = received[peer]
+            if b is None or peer == self.inner.rank:
+                continue
+            age = max(0, self.policy_step - meta.policy_step)
+            ages.append(float(age))
+            why = None
+            if a.max_staleness is not None and age > a.max_staleness:
+                stale += b.num_sequences
+                why = f"its policy is {age} steps behind (max_staleness {a.max_staleness})"
+            elif meta.truncated and not a.accept_truncated:
+                truncated += b.num_sequences
+                why = (
+                    f"drawn with top_k {meta.top_k} / top_p {meta.top_p:g} (truncated: "
+                    "algorithm.accept_truncated is false)"
+                )
+            if why is not None:
+                log.warning(
+                    "peer %s round %d: dropped peer %d's %d samples: %s",
+                    self.inner.node.name,
+                    step,
+                    peer,
+                    b.num_sequences,
+                    why,
+                )
+                received[peer] = None
+        self.totals["stale_samples_total"] += stale
+        self.totals["truncated_samples_total"] += truncated
+        return {
+            "swarm/stale_samples": float(stale),
+            "swarm/stale_samples_total": self.totals["stale_samples_total"],
+            "swarm/truncated_samples": float(truncated),
+            "swarm/truncated_samples_total": self.totals["truncated_samples_total"],
+            "swarm/peer_policy_age": sum(ages) / len(ages) if ages else 0.0,
+        }
 
     def _subsample(self, received: list[RolloutBatch | None], step: int) -> None:
         """Keep at most `max_peers_used` peers' batches (SAPO: a few external rollouts next to

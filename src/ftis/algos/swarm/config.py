@@ -116,6 +116,13 @@ class SwarmConfig(AlgorithmConfig):
         is dropped (`swarm/dropped_silent`) until a payload of it arrives.
     max_round_skew: a round claim more than this beyond the rounds the members' payloads prove
         is not believed (rejected and counted), unless a payload of that peer proves it.
+    max_staleness: a peer's samples from a policy more than this many steps behind this peer's
+        (the sender's last trained round, which every payload carries: ftis.algos.swarm.meta)
+        are dropped and counted (`swarm/stale_samples`); None keeps them all.
+    accept_truncated: train on peers' samples drawn with top-k / top-p truncation (their
+        recorded log-probs are those of the truncated distribution, which gives the tokens the
+        sender could not draw no weight in a ratio); false (default): drop and count them
+        (`swarm/truncated_samples`).
     secret_file: a file holding the swarm's shared secret (hex, at least 16 bytes), with which
         every record is signed. Needed when the swarm spans machines or peers are started by
         hand (every peer must have the same); FTIS_SWARM_SECRET in the environment wins over
@@ -142,6 +149,8 @@ class SwarmConfig(AlgorithmConfig):
     candidate_grace_s: float = Field(5.0, gt=0)
     silent_rounds: int = Field(3, ge=1)
     max_round_skew: int = Field(4, ge=1)
+    max_staleness: int | None = Field(4, ge=0)
+    accept_truncated: bool = False
     secret_file: str | None = None
 
     def shared_secret(self) -> bytes | None:
@@ -196,13 +205,6 @@ class SwarmConfig(AlgorithmConfig):
                 "sharing.share successes is not supported in a swarm yet (a swarm's peers "
                 "answer their own prompts); remove it or run algorithm.kind ftis with "
                 "sharing.scheme joint"
-            )
-        hacpo = [n.name for n in run.nodes if n.loss.method == "hacpo"]
-        if hacpo:
-            raise ValueError(
-                f"loss.method hacpo (nodes {', '.join(hacpo)}) is not supported in a swarm yet: "
-                "its capability estimates assume a fixed membership; use algorithm.kind ftis "
-                "with sharing.scheme joint, or another loss in the swarm"
             )
         unknown = sorted(set(self.churn) - set(names))
         if unknown:
