@@ -79,6 +79,27 @@ def train_trl_grpo(
         trainer.train()
 
 
+def step_timer() -> tuple[object, list[float], list[float]]:
+    """A transformers TrainerCallback that times every optimizer step, and the two lists it
+    fills: wall-clock seconds and CPU seconds per step."""
+    import time
+
+    from transformers import TrainerCallback
+
+    times: list[float] = []
+    cpu: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.t0)
+            cpu.append(time.process_time() - self.c0)
+
+    return Timer(), times, cpu
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 

@@ -302,9 +302,7 @@ def ftis_step(cfg: dict) -> dict:
 
 
 def trl_step(cfg: dict) -> dict:
-    from transformers import TrainerCallback
-
-    from bench.common import TASK, train_trl_grpo
+    from bench.common import TASK, step_timer, train_trl_grpo
     from ftis.tasks import build_task
 
     # bf16: TRL's bf16=True (autocast to bf16, f32 weights and optimizer), against ftis's
@@ -322,16 +320,7 @@ def trl_step(cfg: dict) -> dict:
     def reward(completions, **_):
         return digit_share_rewards(completions)
 
-    times: list[float] = []
-    cpu: list[float] = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0, self.c0 = time.perf_counter(), time.process_time()
-
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t0)
-            cpu.append(time.process_time() - self.c0)
+    timer, times, cpu = step_timer()
 
     mb = cfg["micro_batch"]
     train_trl_grpo(
@@ -340,7 +329,7 @@ def trl_step(cfg: dict) -> dict:
         rows,
         reward,
         lr=LR,
-        callback=Timer(),
+        callback=timer,
         bf16=bf16,
         logging_strategy="no",
         per_device_train_batch_size=mb,

@@ -37,7 +37,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,9 +116,7 @@ def _ftis(cfg: dict) -> dict:
 
 
 def _trl(cfg: dict) -> dict:
-    from transformers import TrainerCallback
-
-    from bench.common import train_trl_grpo
+    from bench.common import step_timer, train_trl_grpo
     from bench.scale import digit_share_rewards
 
     _, model, tok, _, prompts = _setup()
@@ -128,16 +125,7 @@ def _trl(cfg: dict) -> dict:
     same = [tok(t)["input_ids"] == p for t, p in zip(texts, prompts, strict=True)]
     total = cfg["warmup"] + cfg["steps"]
     rows = [{"prompt": t} for _ in range(total + 1) for t in texts]
-    times: list[float] = []
-    cpu: list[float] = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0, self.c0 = time.perf_counter(), time.process_time()
-
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t0)
-            cpu.append(time.process_time() - self.c0)
+    timer, times, cpu = step_timer()
 
     train_trl_grpo(
         model,
@@ -145,7 +133,7 @@ def _trl(cfg: dict) -> dict:
         rows,
         lambda completions, **_: digit_share_rewards(completions),
         lr=LR,
-        callback=Timer(),
+        callback=timer,
         bf16=cfg["compute_dtype"] == "bfloat16",
         logging_strategy="no",
         per_device_train_batch_size=MICRO,
