@@ -79,6 +79,32 @@ def train_trl_grpo(
         trainer.train()
 
 
+def json_child(module: str, *args: str, threads: int | None = None) -> dict:
+    """Run `python -m module args...` from the repository root in a fresh process (src/ and the
+    root on its path; OMP_NUM_THREADS = `threads`, else the caller's, else 1) and return the
+    JSON object its last stdout line holds; RuntimeError with its stderr's tail if it fails."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "src")])}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{module} {' '.join(args)} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def step_timer() -> tuple[object, list[float], list[float]]:
     """A transformers TrainerCallback that times every optimizer step, and the two lists it
     fills: wall-clock seconds and CPU seconds per step."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -612,19 +611,9 @@ def _child_main(arg: str) -> None:
 
 def child(kind: str, **cfg) -> dict:
     """Run one measurement in a fresh process; its JSON result (with its own peak_rss_mb)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "src")])}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.scale", json.dumps({"kind": kind, **cfg})],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"bench.scale {kind} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from bench.common import json_child
+
+    return json_child("bench.scale", json.dumps({"kind": kind, **cfg}))
 
 
 def _median(xs: list[float]) -> float:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -167,19 +166,9 @@ def _child_main(arg: str) -> None:
 
 
 def _child(**cfg) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
-    env["OMP_NUM_THREADS"] = str(cfg["threads"])
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.trl_real", "--child", json.dumps(cfg)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"bench.trl_real {cfg} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from bench.common import json_child
+
+    return json_child("bench.trl_real", "--child", json.dumps(cfg), threads=cfg["threads"])
 
 
 def measure(quick: bool) -> dict:
