@@ -48,8 +48,13 @@ def _write(run_dir: Path, arm: str, seed: int, nodes: list[str]) -> None:
     run_dir.mkdir(parents=True)
     rows, evals = [], []
     for n in nodes:
-        for step in (0, 1, 2):
+        for step in (0, 1, 2, 3):
             row: dict = {"step": step, "node": n}
+            if step == 3:  # no update: loss metrics logged as 0 must not count
+                row.update({"train/skipped_update": 1, "loss/filtered_frac": 0.0})
+                row.update({"loss/is_weight_mean": 0.0, "loss/is_weight_max": 0.0})
+                rows.append(row)
+                continue
             if step in (0, 2):
                 k = 24 if step == 0 else FINAL[arm] + (seed if "bf16" in arm else 0)
                 bits = np.zeros(P, dtype=np.uint8)

@@ -7,8 +7,8 @@ Per arm and node: greedy accuracy at step 0 and at the last step (evals.jsonl), 
 bf16 copy introduced (`rollout/mismatch_k3`: mean k3 between the trainer's and the sampler's
 log-probs of the node's own sampled tokens, at the weights they were drawn with), the share of
 sequences the F-TIS filter removed (`loss/filtered_frac`) and the mean and largest per-token IS
-weight (`loss/is_weight_mean`, `loss/is_weight_max`), each a mean over the RL steps, then over
-seeds. Paired differences of final accuracy, per node, against the arm the option maps it to:
+weight (`loss/is_weight_mean`, `loss/is_weight_max`), each a mean over the RL steps that ran
+an update, then over seeds. Paired differences of final accuracy, per node, against the arm the option maps it to:
 
     options:
       baseline: {<arm>: <arm it is compared with>}
@@ -67,7 +67,13 @@ def _accuracy(res: ArmResult, node: str, step: int) -> float | None:
 
 
 def _step_mean(res: ArmResult, node: str, key: str) -> float | None:
-    vals = [float(r[key]) for r in res.node_rows(node) if int(r["step"]) > 0 and key in r]
+    """The mean of `key` over the node's RL steps that ran an update (a step without one, no
+    group having a reward signal, logs its loss metrics as 0: not a measurement)."""
+    vals = [
+        float(r[key])
+        for r in res.node_rows(node)
+        if int(r["step"]) > 0 and key in r and not r.get("train/skipped_update")
+    ]
     return float(np.mean(vals)) if vals else None
 
 
@@ -155,8 +161,8 @@ def difference_table(page: Page) -> tuple[list[str], str]:
 
 ARM_NOTE = (
     "Greedy accuracy on the config's held-out test split, mean ± sample std over seeds. The "
-    "mismatch, filter and IS-weight columns are means over RL steps (then seeds) of each step's "
-    "value: k3 between the trainer's (float32) and the sampler's log-probs of the node's own "
+    "mismatch, filter and IS-weight columns are means over the RL steps that ran an update (then "
+    "seeds) of each step's value: k3 between the trainer's (float32) and the sampler's log-probs of the node's own "
     "tokens, at the weights they were sampled with (logged only when the sampler runs on a "
     "bf16 copy); the share of sequences the F-TIS filter removed; the per-token ratio "
     "exp(trainer − sampler log-prob) over the tokens trained on (a diagnostic, logged for every "
