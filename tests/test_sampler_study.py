@@ -51,7 +51,8 @@ def _write(run_dir: Path, arm: str, seed: int, nodes: list[str]) -> None:
         for step in (0, 1, 2, 3):
             row: dict = {"step": step, "node": n}
             if step == 3:  # no update: loss metrics logged as 0 must not count
-                row.update({"train/skipped_update": 1, "loss/filtered_frac": 0.0})
+                row.update({"train/optimizer_steps": 0, "train/no_signal": 1.0})
+                row.update({"train/skipped_update": 0, "loss/filtered_frac": 0.0})
                 row.update({"loss/is_weight_mean": 0.0, "loss/is_weight_max": 0.0})
                 rows.append(row)
                 continue

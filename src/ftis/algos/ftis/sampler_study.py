@@ -68,11 +68,12 @@ def _accuracy(res: ArmResult, node: str, step: int) -> float | None:
 
 def _step_mean(res: ArmResult, node: str, key: str) -> float | None:
     """The mean of `key` over the node's RL steps that ran an update (a step without one, no
-    group having a reward signal, logs its loss metrics as 0: not a measurement)."""
+    group having a reward signal, logs its loss metrics as 0 and `train/optimizer_steps` 0:
+    not a measurement)."""
     vals = [
         float(r[key])
         for r in res.node_rows(node)
-        if int(r["step"]) > 0 and key in r and not r.get("train/skipped_update")
+        if int(r["step"]) > 0 and key in r and r.get("train/optimizer_steps", 1) > 0
     ]
     return float(np.mean(vals)) if vals else None
 
