@@ -84,6 +84,14 @@ register_study_renderer(
     kinds=("grid",),
 )
 
+# The groups study's document (studies/groups.yaml -> docs/results/groups.md): experts in groups
+# of 2, 3 and 4 against each expert alone and against itself in a smaller group.
+register_study_renderer(
+    "groups",
+    "ftis.algos.ftis.groups:render",
+    collect="ftis.algos.ftis.groups:collect",
+    kinds=("grid",),
+)
 
 # The poisoning study's document (studies/poisoning.yaml -> docs/results/poisoning.md): attack
 # success and the honest nodes' accuracy per loss and defence, with paired intervals.

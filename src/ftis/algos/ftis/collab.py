@@ -441,7 +441,7 @@ def _pairing_nodes(study: Any) -> dict[str, list[str]]:
     return out
 
 
-def _setup(study: Any, nodes: dict[str, list[str]]) -> list[str]:
+def _setup(study: Any, nodes: dict[str, list[str]], together: str) -> list[str]:
     spec = study.spec
     first: dict[str, Any] = {}
     for run in sorted(study.runs, key=lambda r: r.node is not None):  # a run of both nodes first
@@ -463,7 +463,7 @@ def _setup(study: Any, nodes: dict[str, list[str]]) -> list[str]:
     mrow = []
     for key, m in spec.methods.items():
         over = ", ".join(f"`{x}`" for x in [*m.set, *m.run_set]) or "-"
-        kind = "each node alone" if m.alone else "both nodes together"
+        kind = "each node alone" if m.alone else together
         mrow.append([m.label or key, f"`{m.loss}`", kind, over])
     return [
         *_table(["pairing", "nodes", "what"], prow),
@@ -472,29 +472,20 @@ def _setup(study: Any, nodes: dict[str, list[str]]) -> list[str]:
     ]
 
 
-def render(
+def head_lines(
     study: Any,
     results: list[CollabResult],
     missing: list[str],
     out_dir: Path,
-    report_path: Path,
-    reading: str,
-) -> str:
-    """docs/results/collab.md: per pairing, every node's accuracy and its paired differences to
-    the Alone baselines, the transfer on the expertise pairing, HACPO's figures, plots."""
+    *,
+    together: str = "both nodes together",
+) -> list[str]:
+    """A collaboration document's head: title, partial-results banner, description, commands,
+    run folder, seeds, code line, set-up (`together`: what a sharing method's run is) and how to
+    read the tables."""
     spec = study.spec
     opts = CollabOptions.from_spec(spec.options)
-    labels = {k: m.label or k for k, m in spec.methods.items()}
-    methods = list(spec.methods)
-    sharing = [k for k, m in spec.methods.items() if not m.alone]
-    hacpo = [k for k, m in spec.methods.items() if m.loss == "hacpo"]
-    data = CollabData([n for r in results for n in r.nodes])
     nodes = _pairing_nodes(study)
-    with_results = [
-        p
-        for p in spec.pairings
-        if any(data.has(p, m, n) for m in methods for n in nodes.get(p, []))
-    ]
     study_rel = rel(study.path)
     L = [
         f"# Results: study `{spec.name}`",
@@ -527,7 +518,7 @@ def render(
     inv = invocations_line(out_dir)
     if inv:
         L += [inv, ""]
-    L += ["## Set-up", "", *_setup(study, nodes), ""]
+    L += ["## Set-up", "", *_setup(study, nodes, together), ""]
     L += [
         "## How to read the tables",
         "",
@@ -541,6 +532,33 @@ def render(
         "interpolation, never extrapolated) at the tokens the method's node generated.",
         "",
     ]
+    return L
+
+
+def render(
+    study: Any,
+    results: list[CollabResult],
+    missing: list[str],
+    out_dir: Path,
+    report_path: Path,
+    reading: str,
+) -> str:
+    """docs/results/collab.md: per pairing, every node's accuracy and its paired differences to
+    the Alone baselines, the transfer on the expertise pairing, HACPO's figures, plots."""
+    spec = study.spec
+    opts = CollabOptions.from_spec(spec.options)
+    labels = {k: m.label or k for k, m in spec.methods.items()}
+    methods = list(spec.methods)
+    sharing = [k for k, m in spec.methods.items() if not m.alone]
+    hacpo = [k for k, m in spec.methods.items() if m.loss == "hacpo"]
+    data = CollabData([n for r in results for n in r.nodes])
+    nodes = _pairing_nodes(study)
+    with_results = [
+        p
+        for p in spec.pairings
+        if any(data.has(p, m, n) for m in methods for n in nodes.get(p, []))
+    ]
+    L = head_lines(study, results, missing, out_dir)
     img_dir = report_path.parent / f"{spec.name}-plots"
     for p in with_results:
         pn = nodes.get(p, [])
@@ -565,23 +583,46 @@ def render(
                 L += [f"### {labels[h]}: capability, discrepancy, clipping (mean over seeds)", ""]
                 L += [*t, ""]
     panels = [(p, nodes.get(p, [])) for p in with_results]
+    L += plot_lines(data, panels, methods, labels, opts.split, hacpo, img_dir, report_path)
+    L += runs_lines(results, reading)
+    return "\n".join(L)
+
+
+def plot_lines(
+    data: CollabData,
+    panels: list[tuple[str, list[str]]],
+    methods: list[str],
+    labels: dict[str, str],
+    split: str,
+    hacpo: list[str],
+    img_dir: Path,
+    report_path: Path,
+) -> list[str]:
+    """Draw the accuracy curves (against steps and generated tokens) and HACPO's figures into
+    img_dir; the document's "Plots" section that shows them (nothing when none was drawn)."""
     images = []
-    if plot_curves(data, panels, methods, labels, opts.split, img_dir / "accuracy.png"):
-        images.append(("accuracy.png", f"{opts.split} accuracy against RL steps"))
+    if plot_curves(data, panels, methods, labels, split, img_dir / "accuracy.png"):
+        images.append(("accuracy.png", f"{split} accuracy against RL steps"))
     if plot_curves(
-        data, panels, methods, labels, opts.split, img_dir / "accuracy-tokens.png", x="tokens"
+        data, panels, methods, labels, split, img_dir / "accuracy-tokens.png", x="tokens"
     ):
-        images.append(("accuracy-tokens.png", f"{opts.split} accuracy against generated tokens"))
+        images.append(("accuracy-tokens.png", f"{split} accuracy against generated tokens"))
     for h in hacpo:
         if plot_hacpo(data, panels, h, img_dir / f"{h}.png"):
             images.append((f"{h}.png", f"{labels[h]}: capability and discrepancy over the run"))
-    if images:
-        L += ["## Plots", ""]
-        for name, alt in images:
-            path = img_dir / name
-            L += [f"![{alt}]({path.relative_to(report_path.parent)})", ""]
-    L += ["## Runs", ""]
-    L += [
+    if not images:
+        return []
+    L = ["## Plots", ""]
+    for name, alt in images:
+        L += [f"![{alt}]({(img_dir / name).relative_to(report_path.parent)})", ""]
+    return L
+
+
+def runs_lines(results: list[CollabResult], reading: str) -> list[str]:
+    """The runs table (id, seconds, code) and the hand-written reading."""
+    return [
+        "## Runs",
+        "",
         *_table(
             ["run", "s", "code"],
             [[r.id, seconds_cell(r.seconds), r.code or "-"] for r in results],
@@ -589,7 +630,6 @@ def render(
         "",
         *reading_lines(reading),
     ]
-    return "\n".join(L)
 
 
 def transfer_table(
