@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ftis.algos.ftis.groups import check_same_nodes
+from ftis.algos.ftis.groups import check_same_nodes, check_skills
 from ftis.study.engine import load_study, write_results
 from ftis.train.metrics import encode_outcomes
 
@@ -24,7 +24,11 @@ NODES = [
 def _group(n: int) -> dict:
     return {
         "name": f"g{n}",
-        "task": {"kind": "arithmetic", "seed": 0},
+        "task": {
+            "kind": "reasoning",
+            "seed": 0,
+            "ood": {"x": {"skills": {"add": 1.0}}, "y": {"skills": {"mul": 1.0}}},
+        },
         "nodes": NODES[:n],
         "sharing": {"scheme": "joint"},
         "train": {"steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
@@ -156,3 +160,12 @@ def test_a_node_that_differs_between_groups_is_refused(tmp_path):
     with pytest.raises(ValueError, match="'g5' is not a pairing with runs"):
         check_same_nodes(study, "g5")
     check_same_nodes(_study(tmp_path), "g3")
+
+
+def test_a_skill_without_its_split_is_refused(tmp_path):
+    study = _study(tmp_path)
+    with pytest.raises(ValueError, match="a's skill split 'z' is not an evaluation split"):
+        check_skills(study, {"a": "z"})
+    with pytest.raises(ValueError, match="options.skills names 'd', not a node"):
+        check_skills(study, {"d": "test"})
+    check_skills(study, {"a": "test", "c": "y"})

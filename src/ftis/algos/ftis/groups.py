@@ -90,6 +90,30 @@ def check_same_nodes(study: Any, alone_from: str) -> None:
                 )
 
 
+def check_skills(study: Any, skills: dict[str, str]) -> None:
+    """Raise ValueError unless every node's own skill (`options.skills`) names a node of the
+    study and an evaluation split of every pairing's task that has that node."""
+    configs = _node_configs(study)
+    known = {n for nodes in configs.values() for n in nodes}
+    for node, split in skills.items():
+        if node not in known:
+            raise ValueError(
+                f"options.skills names {node!r}, not a node of the study "
+                f"({', '.join(sorted(known))})"
+            )
+        for p, nodes in configs.items():
+            if node not in nodes:
+                continue
+            task = nodes[node][1]
+            splits = ["test", *(getattr(task, "ood", None) or {})]
+            if split not in splits:
+                raise ValueError(
+                    f"options.skills: {node}'s skill split {split!r} is not an evaluation split "
+                    f"of pairing {p!r}'s task ({', '.join(splits)}); add it under task.ood, "
+                    f"e.g. {split}: {{skills: {{{split}: 1.0}}, size: 1024}}"
+                )
+
+
 def borrow_alone(
     node_runs: list[NodeRun], alone: set[str], alone_from: str, nodes: dict[str, list[str]]
 ) -> list[NodeRun]:
@@ -226,6 +250,8 @@ def render(
     hacpo = [k for k, m in spec.methods.items() if m.loss == "hacpo"]
     nodes = _pairing_nodes(study)
     node_runs = [n for r in results for n in r.nodes]
+    if skills:
+        check_skills(study, skills)
     if alone_from:
         check_same_nodes(study, alone_from)
         node_runs = borrow_alone(node_runs, alone, alone_from, nodes)
