@@ -149,6 +149,10 @@ def test_build_writes_entries_the_lookup_finds(tmp_path, monkeypatch):
     assert build({key: WarmStartUse(MODEL, WS, TASK, {"b.yaml"})}, out=out) == []
     (entry,) = shipped_bases(out)
     assert entry.info["used_by"] == ["a.yaml", "b.yaml"] and weights.read_bytes() == before
+    # Built from every committed source: exactly the configs that use it now (a.yaml no longer)
+    build({key: WarmStartUse(MODEL, WS, TASK, {"c.yaml"})}, out=out, every_source=True)
+    (entry,) = shipped_bases(out)
+    assert entry.info["used_by"] == ["c.yaml"] and weights.read_bytes() == before
     # A damaged copy is not kept: it is built again (here from the local cache, no training).
     weights.write_bytes(before[:-1])
     assert build({key: WarmStartUse(MODEL, WS, TASK, {"b.yaml"})}, out=out) == [f"llama-xs-{key}"]

@@ -642,7 +642,14 @@ def basemodels_build(
         if step == total or step % 100 == 0:
             console.print(f"{name}: step {step}/{total}, loss {loss:.3f}", highlight=False)
 
-    built = build(uses, out=out or ROOT, only=only, rebuild=rebuild, progress=progress)
+    built = build(
+        uses,
+        out=out or ROOT,
+        only=only,
+        rebuild=rebuild,
+        progress=progress,
+        every_source=not paths,  # the default sources are every committed one
+    )
     names = ", ".join(built) or "none, every one is shipped and intact (--rebuild retrains them)"
     console.print(f"built {len(built)} base model(s) into {out or ROOT}: {names}")
 

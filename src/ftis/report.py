@@ -58,11 +58,14 @@ def label_axes(ax: Any, title: str, xlabel: str, ylabel: str | None = None) -> N
     ax.legend(fontsize=8)
 
 
-def save_figure(fig: Any, path: Path) -> None:
-    """Lay out, write (110 dpi) and close a report figure."""
+def save_figure(fig: Any, path: Path, *, dpi: int = 110) -> bool:
+    """Lay out, write (creating the folder) and close a matplotlib figure: every figure ftis
+    writes, run reports' and results documents' alike. True: the figure was drawn."""
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
     pyplot().close(fig)
+    return True
 
 
 def load_rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -395,6 +398,7 @@ def change_section(run_dir: Path) -> list[str]:
     the interval excludes zero. One run says nothing of the spread over training seeds; a study
     (`ftis sweep`) pairs seeds. Empty for a run without two evaluations of a node."""
     from ftis.study.stats import paired_difference, read_evals
+    from ftis.study.tables import is_bold
 
     try:
         evals = read_evals(run_dir)
@@ -407,7 +411,9 @@ def change_section(run_dir: Path) -> list[str]:
                 continue
             first, last = int(outcomes.steps[0]), int(outcomes.steps[-1])
             d = paired_difference({0: outcomes.correct[-1]}, {0: outcomes.correct[0]})
-            word = {"better": "improved", "worse": "worse"}.get(d.verdict(), "no change detected")
+            word = "no change detected"
+            if is_bold(d):  # the one bold rule (ftis.study.tables): an interval excluding 0
+                word = {"better": "improved", "worse": "worse"}.get(d.verdict(), word)
             body.append(
                 [
                     node,
@@ -415,7 +421,7 @@ def change_section(run_dir: Path) -> list[str]:
                     f"{first} -> {last}",
                     str(d.problems),
                     d.cells(),
-                    f"**{word}**" if d.excludes_zero else word,
+                    f"**{word}**" if is_bold(d) else word,
                 ]
             )
     if not body:

@@ -104,13 +104,16 @@ def build(
     only: str | None = None,
     rebuild: bool = False,
     progress: Callable[[str, int, int, float], None] | None = None,
+    every_source: bool = False,
 ) -> list[str]:
     """Train (or take from the local cache) each warm start, copy it under `out` and record it in
     `out`/manifest.json; returns the names built. `only`: a glob on the entry names.
 
     An entry already shipped and intact keeps its bits (training is not bit-reproducible across
     thread counts and CPUs, and runs were committed against those bits); only its `used_by` list
-    gains the new sources. `rebuild=True` trains it again."""
+    changes: with `every_source` (`uses` read from every committed config and study) it becomes
+    exactly the sources that use it now, else it gains the new ones. `rebuild=True` trains it
+    again."""
     import torch
     import transformers
 
@@ -134,7 +137,8 @@ def build(
             except ShippedBaseError as e:
                 log.info("base %s: rebuilding, the shipped copy is not intact (%s)", name, e)
             else:
-                old["used_by"] = sorted(set(old.get("used_by", [])) | use.sources)
+                kept = set() if every_source else set(old.get("used_by", []))
+                old["used_by"] = sorted(kept | use.sources)
                 log.info("base %s: already shipped and intact, kept", name)
                 continue
         log.info("base %s: warm start used by %s", name, ", ".join(sorted(use.sources)))

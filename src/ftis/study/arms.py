@@ -252,16 +252,6 @@ def document_tail(results: list[ArmResult], out_dir: Path, reading: str) -> list
     ]
 
 
-def save_figure(fig: Any, path: Path, *, dpi: int = 100) -> None:
-    """Lay out, write (creating the folder) and close a matplotlib figure."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
-
-
 def image(path: Path, report: Path, alt: str) -> str:
     """A Markdown image of `path`, relative to the document `report`."""
     import os
@@ -297,7 +287,6 @@ __all__ = [
     "is_arms_study",
     "load_arms_study",
     "runs_table",
-    "save_figure",
     "setup_lines",
     "write_arms_results",
 ]

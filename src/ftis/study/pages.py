@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ftis.study.arms import ArmResult, document_head, document_tail, image, save_figure
+from ftis.report import save_figure
+from ftis.study.arms import ArmResult, document_head, document_tail, image
 from ftis.study.spec import Study
 
 
@@ -95,9 +96,9 @@ def finish_axes(
 
 
 def save(fig: Any, path: Path, *, dpi: int = 100) -> bool:
-    """Write the figure (ftis.study.arms.save_figure); True, the plot was drawn."""
-    save_figure(fig, path, dpi=dpi)
-    return True
+    """Write the figure at a results document's resolution (ftis.report.save_figure); True,
+    the plot was drawn."""
+    return save_figure(fig, path, dpi=dpi)
 
 
 __all__ = ["Page", "arms_renderer", "figure_lines", "finish_axes", "save", "section"]

@@ -4,8 +4,9 @@ sent). See that module for how the simulation engine and a deployment run them."
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ftis.algos.federated.apps import make_client_app as federated_client_app
 from ftis.algos.federated.apps import make_server_app  # noqa: F401  (re-exported)
@@ -18,6 +19,15 @@ def build_client(cfg: RunConfig, rank: int, base_dir: Path | None) -> LocalClien
     return LocalClient(cfg, rank, base_dir=base_dir)
 
 
-# The ClientApp of FGRPO run `cfg`: `ftis.algos.federated.apps.make_client_app` (its arguments)
-# with FGRPO's client.
-make_client_app = functools.partial(federated_client_app, build_client=build_client)
+def make_client_app(
+    cfg: RunConfig,
+    run_dir: Path,
+    *,
+    base_dir: Path | Callable[[], Path | None] | None = None,
+    **options: Any,
+) -> Any:
+    """The ClientApp of FGRPO run `cfg`: `ftis.algos.federated.apps.make_client_app` with
+    FGRPO's client (`options`: that function's faults and threads)."""
+    return federated_client_app(
+        cfg, run_dir, build_client=build_client, base_dir=base_dir, **options
+    )
