@@ -122,10 +122,17 @@ class CollabData:
         self, pairing: str, node: str, method: str, baseline: str, split: str
     ) -> PairedDifference:
         """method - baseline on `split`, each at the method's last evaluated step, by seed."""
+        return self.final_against(
+            self.seeds(pairing, method, node), self.seeds(pairing, baseline, node), split
+        )
+
+    def final_against(
+        self, runs: dict[int, NodeRun], base: dict[int, NodeRun], split: str
+    ) -> PairedDifference:
+        """runs - base on `split` by seed, each at the last evaluated step of the seed's run."""
         a: dict[int, np.ndarray] = {}
         b: dict[int, np.ndarray] = {}
-        base = self.seeds(pairing, baseline, node)
-        for seed, run in self.seeds(pairing, method, node).items():
+        for seed, run in runs.items():
             f = self.final(run, split)
             if f is None or seed not in base:
                 continue
@@ -535,87 +542,150 @@ def head_lines(
     return L
 
 
-def render(
-    study: Any,
-    results: list[CollabResult],
-    missing: list[str],
-    out_dir: Path,
-    report_path: Path,
-    reading: str,
-) -> str:
-    """docs/results/collab.md: per pairing, every node's accuracy and its paired differences to
-    the Alone baselines, the transfer on the expertise pairing, HACPO's figures, plots."""
-    spec = study.spec
-    opts = CollabOptions.from_spec(spec.options)
-    labels = {k: m.label or k for k, m in spec.methods.items()}
-    methods = list(spec.methods)
-    sharing = [k for k, m in spec.methods.items() if not m.alone]
-    hacpo = [k for k, m in spec.methods.items() if m.loss == "hacpo"]
-    data = CollabData([n for r in results for n in r.nodes])
-    nodes = _pairing_nodes(study)
-    with_results = [
-        p
-        for p in spec.pairings
-        if any(data.has(p, m, n) for m in methods for n in nodes.get(p, []))
-    ]
-    L = head_lines(study, results, missing, out_dir)
-    img_dir = report_path.parent / f"{spec.name}-plots"
-    for p in with_results:
-        pn = nodes.get(p, [])
-        ps = spec.pairings[p]
-        L += [f"## {ps.label or p}", ""]
+@dataclass
+class CollabDoc:
+    """What a collaboration document reads: the study's options, methods (all, sharing, HACPO),
+    labels, each pairing's nodes and the node runs."""
+
+    spec: Any
+    opts: CollabOptions
+    labels: dict[str, str]
+    methods: list[str]
+    sharing: list[str]
+    hacpo: list[str]
+    nodes: dict[str, list[str]]
+    data: CollabData
+
+    @staticmethod
+    def of(study: Any, node_runs: Sequence[NodeRun]) -> CollabDoc:
+        spec = study.spec
+        return CollabDoc(
+            spec=spec,
+            opts=CollabOptions.from_spec(spec.options),
+            labels={k: m.label or k for k, m in spec.methods.items()},
+            methods=list(spec.methods),
+            sharing=[k for k, m in spec.methods.items() if not m.alone],
+            hacpo=[k for k, m in spec.methods.items() if m.loss == "hacpo"],
+            nodes=_pairing_nodes(study),
+            data=CollabData(node_runs),
+        )
+
+    def with_results(self, methods: list[str]) -> list[str]:
+        """The pairings where some node has runs of one of `methods`."""
+        return [
+            p
+            for p in self.spec.pairings
+            if any(self.data.has(p, m, n) for m in methods for n in self.nodes.get(p, []))
+        ]
+
+    def pairing_lines(self, p: str) -> list[str]:
+        """A pairing's section head: its title and description, every method's accuracy and
+        every sharing method's paired differences to the Alone baselines."""
+        pn, ps, opts = self.nodes.get(p, []), self.spec.pairings[p], self.opts
+        L = [f"## {ps.label or p}", ""]
         if ps.description:
             L += [ps.description.strip(), ""]
         L += [f"### Accuracy (`{opts.split}`)", ""]
-        L += [*accuracy_table(data, p, pn, methods, labels, opts.split), ""]
+        L += [*accuracy_table(self.data, p, pn, self.methods, self.labels, opts.split), ""]
         L += ["### Paired differences to training alone", ""]
-        L += [*difference_table(data, p, pn, sharing, labels, opts, opts.split), ""]
+        L += [
+            *difference_table(self.data, p, pn, self.sharing, self.labels, opts, opts.split),
+            "",
+        ]
+        return L
+
+    def hacpo_lines(self, p: str, h: str) -> list[str]:
+        """HACPO method h's capability, discrepancy and clipping table on pairing p."""
+        t = hacpo_table(self.data, p, self.nodes.get(p, []), h)
+        if not t:
+            return []
+        return [
+            f"### {self.labels[h]}: capability, discrepancy, clipping (mean over seeds)",
+            "",
+            *t,
+            "",
+        ]
+
+    def tail_lines(
+        self, pairings: list[str], results: list[CollabResult], reading: str, report_path: Path
+    ) -> list[str]:
+        """Plots of `pairings` (beside the document, in <study>-plots/), the runs, the reading."""
+        panels = [(p, self.nodes.get(p, [])) for p in pairings]
+        img_dir = report_path.parent / f"{self.spec.name}-plots"
+        data, methods, labels, split = self.data, self.methods, self.labels, self.opts.split
+        images = []
+        if plot_curves(data, panels, methods, labels, split, img_dir / "accuracy.png"):
+            images.append(("accuracy.png", f"{split} accuracy against RL steps"))
+        tokens = img_dir / "accuracy-tokens.png"
+        if plot_curves(data, panels, methods, labels, split, tokens, x="tokens"):
+            images.append(("accuracy-tokens.png", f"{split} accuracy against generated tokens"))
+        for h in self.hacpo:
+            if plot_hacpo(data, panels, h, img_dir / f"{h}.png"):
+                images.append((f"{h}.png", f"{labels[h]}: capability and discrepancy over the run"))
+        L = ["## Plots", ""] if images else []
+        for name, alt in images:
+            L += [f"![{alt}]({(img_dir / name).relative_to(report_path.parent)})", ""]
+        return L + runs_lines(results, reading)
+
+
+# a document body: (the pairings it plots, its sections between the head and the plots)
+Body = Callable[[CollabDoc], tuple[list[str], list[str]]]
+
+
+def collab_renderer(
+    body: Body,
+    *,
+    together: str = "both nodes together",
+    node_runs: Callable[[Any, list[NodeRun]], list[NodeRun]] | None = None,
+) -> Callable[..., str]:
+    """A study renderer (ftis.study.registry) for a collaboration document: the head
+    (`head_lines`), `body(doc)`'s sections, plots of the pairings it names, the runs and the
+    reading. `node_runs(study, runs)`: what the document reads instead of the runs' own nodes
+    (checked and extended: the groups study's shared Alone runs)."""
+
+    def render(
+        study: Any,
+        results: list[CollabResult],
+        missing: list[str],
+        out_dir: Path,
+        report_path: Path,
+        reading: str,
+    ) -> str:
+        runs = [n for r in results for n in r.nodes]
+        doc = CollabDoc.of(study, node_runs(study, runs) if node_runs else runs)
+        pairings, lines = body(doc)
+        return "\n".join(
+            [
+                *head_lines(study, results, missing, out_dir, together=together),
+                *lines,
+                *doc.tail_lines(pairings, results, reading, report_path),
+            ]
+        )
+
+    return render
+
+
+def _collab_body(doc: CollabDoc) -> tuple[list[str], list[str]]:
+    """docs/results/collab.md: per pairing, every node's accuracy and its paired differences to
+    the Alone baselines, the transfer on the expertise pairing, HACPO's figures."""
+    opts = doc.opts
+    with_results = doc.with_results(doc.methods)
+    L: list[str] = []
+    for p in with_results:
+        L += doc.pairing_lines(p)
         if p in opts.transfer:
             L += [
                 "### Transfer: each expert on the other's skill",
                 "",
-                *transfer_table(data, p, opts.transfer[p], sharing, labels, opts),
+                *transfer_table(doc.data, p, opts.transfer[p], doc.sharing, doc.labels, opts),
                 "",
             ]
-        for h in hacpo:
-            t = hacpo_table(data, p, pn, h)
-            if t:
-                L += [f"### {labels[h]}: capability, discrepancy, clipping (mean over seeds)", ""]
-                L += [*t, ""]
-    panels = [(p, nodes.get(p, [])) for p in with_results]
-    L += plot_lines(data, panels, methods, labels, opts.split, hacpo, img_dir, report_path)
-    L += runs_lines(results, reading)
-    return "\n".join(L)
+        for h in doc.hacpo:
+            L += doc.hacpo_lines(p, h)
+    return with_results, L
 
 
-def plot_lines(
-    data: CollabData,
-    panels: list[tuple[str, list[str]]],
-    methods: list[str],
-    labels: dict[str, str],
-    split: str,
-    hacpo: list[str],
-    img_dir: Path,
-    report_path: Path,
-) -> list[str]:
-    """Draw the accuracy curves (against steps and generated tokens) and HACPO's figures into
-    img_dir; the document's "Plots" section that shows them (nothing when none was drawn)."""
-    images = []
-    if plot_curves(data, panels, methods, labels, split, img_dir / "accuracy.png"):
-        images.append(("accuracy.png", f"{split} accuracy against RL steps"))
-    if plot_curves(
-        data, panels, methods, labels, split, img_dir / "accuracy-tokens.png", x="tokens"
-    ):
-        images.append(("accuracy-tokens.png", f"{split} accuracy against generated tokens"))
-    for h in hacpo:
-        if plot_hacpo(data, panels, h, img_dir / f"{h}.png"):
-            images.append((f"{h}.png", f"{labels[h]}: capability and discrepancy over the run"))
-    if not images:
-        return []
-    L = ["## Plots", ""]
-    for name, alt in images:
-        L += [f"![{alt}]({(img_dir / name).relative_to(report_path.parent)})", ""]
-    return L
+render = collab_renderer(_collab_body)
 
 
 def runs_lines(results: list[CollabResult], reading: str) -> list[str]:

@@ -17,27 +17,20 @@ groups ask:
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ftis.algos.ftis.collab import (
     CollabData,
-    CollabOptions,
-    CollabResult,
+    CollabDoc,
     NodeRun,
     _pairing_nodes,
-    accuracy_table,
+    collab_renderer,
     difference_cell,
-    difference_table,
-    hacpo_table,
-    head_lines,
-    plot_lines,
-    runs_lines,
 )
 from ftis.algos.ftis.collab import collect as collect
-from ftis.study.stats import PairedDifference, paired_difference
+from ftis.study.stats import PairedDifference
 from ftis.study.tables import table
 
 # what must be equal for one node's Alone run to be its baseline in another group
@@ -134,17 +127,9 @@ def across_groups(
 ) -> PairedDifference:
     """node's accuracy in group `larger` minus in group `smaller` (same method), each at the
     larger group's last evaluated step, paired by seed."""
-    a: dict[int, np.ndarray] = {}
-    b: dict[int, np.ndarray] = {}
-    other = data.seeds(smaller, method, node)
-    for seed, run in data.seeds(larger, method, node).items():
-        f = data.final(run, split)
-        if f is None or seed not in other:
-            continue
-        o = data.at_step(other[seed], split, f[0])
-        if o is not None:
-            a[seed], b[seed] = f[1], o
-    return paired_difference(a, b)
+    return data.final_against(
+        data.seeds(larger, method, node), data.seeds(smaller, method, node), split
+    )
 
 
 def skills_table(
@@ -228,40 +213,30 @@ def pair_table(data: CollabData, pairing: str, nodes: list[str], method: str) ->
     )
 
 
-def render(
-    study: Any,
-    results: list[CollabResult],
-    missing: list[str],
-    out_dir: Path,
-    report_path: Path,
-    reading: str,
-) -> str:
+def _node_runs(study: Any, runs: list[NodeRun]) -> list[NodeRun]:
+    """The runs' nodes, checked (options.skills, options.alone_from) and with the Alone runs of
+    `alone_from` filed under every group."""
+    options = dict(study.spec.options or {})
+    if options.get("skills"):
+        check_skills(study, dict(options["skills"]))
+    alone_from = options.get("alone_from")
+    if not alone_from:
+        return runs
+    check_same_nodes(study, alone_from)
+    alone = {k for k, m in study.spec.methods.items() if m.alone}
+    return borrow_alone(runs, alone, alone_from, _pairing_nodes(study))
+
+
+def _groups_body(doc: CollabDoc) -> tuple[list[str], list[str]]:
     """docs/results/groups.md: per group, every node against its Alone runs (on the mix and on
-    every skill), then every node against itself in smaller groups, HACPO per pair, plots."""
-    spec = study.spec
-    opts = CollabOptions.from_spec(spec.options)
+    every skill) and HACPO per pair; then every node against itself in smaller groups."""
+    spec, data, opts, labels, sharing = doc.spec, doc.data, doc.opts, doc.labels, doc.sharing
     options = dict(spec.options or {})
     alone_from = options.get("alone_from")
     skills: dict[str, str] = dict(options.get("skills") or {})
-    labels = {k: m.label or k for k, m in spec.methods.items()}
-    methods = list(spec.methods)
-    alone = {k for k, m in spec.methods.items() if m.alone}
-    sharing = [k for k in methods if k not in alone]
-    hacpo = [k for k, m in spec.methods.items() if m.loss == "hacpo"]
-    nodes = _pairing_nodes(study)
-    node_runs = [n for r in results for n in r.nodes]
-    if skills:
-        check_skills(study, skills)
-    if alone_from:
-        check_same_nodes(study, alone_from)
-        node_runs = borrow_alone(node_runs, alone, alone_from, nodes)
-    data = CollabData(node_runs)
-    groups = [
-        p
-        for p in spec.pairings
-        if any(data.has(p, m, n) for m in sharing for n in nodes.get(p, []))
-    ]
-    L = head_lines(study, results, missing, out_dir, together="the group's nodes together")
+    nodes = doc.nodes
+    groups = doc.with_results(sharing)
+    L: list[str] = []
     if alone_from:
         L += [
             f"Each node's Alone runs are made once, in `{alone_from}`, and are its baseline in "
@@ -271,14 +246,7 @@ def render(
         ]
     for p in groups:
         pn = nodes.get(p, [])
-        ps = spec.pairings[p]
-        L += [f"## {ps.label or p}", ""]
-        if ps.description:
-            L += [ps.description.strip(), ""]
-        L += [f"### Accuracy (`{opts.split}`)", ""]
-        L += [*accuracy_table(data, p, pn, methods, labels, opts.split), ""]
-        L += ["### Paired differences to training alone", ""]
-        L += [*difference_table(data, p, pn, sharing, labels, opts, opts.split), ""]
+        L += doc.pairing_lines(p)
         if skills:
             b = opts.baselines[0]
             t = skills_table(data, p, pn, sharing, labels, b, skills)
@@ -292,11 +260,8 @@ def render(
                     *t,
                     "",
                 ]
-        for h in hacpo:
-            t = hacpo_table(data, p, pn, h)
-            if t:
-                L += [f"### {labels[h]}: capability, discrepancy, clipping (mean over seeds)", ""]
-                L += [*t, ""]
+        for h in doc.hacpo:
+            L += doc.hacpo_lines(p, h)
             t = pair_table(data, p, pn, h)
             if t:
                 L += [f"### {labels[h]}: per (learner, peer) pair (mean over steps and seeds)", ""]
@@ -321,8 +286,7 @@ def render(
                 "",
                 *body,
             ]
-    panels = [(p, nodes.get(p, [])) for p in groups]
-    img_dir = report_path.parent / f"{spec.name}-plots"
-    L += plot_lines(data, panels, methods, labels, opts.split, hacpo, img_dir, report_path)
-    L += runs_lines(results, reading)
-    return "\n".join(L)
+    return groups, L
+
+
+render = collab_renderer(_groups_body, together="the group's nodes together", node_runs=_node_runs)
