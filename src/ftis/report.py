@@ -231,12 +231,10 @@ def _fmt(v: Any, pct: bool = False) -> str:
 def table_lines(header: list[str], body: list[list[str | None]]) -> list[str]:
     """A markdown table in which no data is absent: a cell that is None prints '-', and a
     column whose cells are all None is left out (with its header)."""
+    from ftis.study.tables import table
+
     header, rows = drop_empty_columns(header, body)
-    return [
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(r) + " |" for r in rows),
-    ]
+    return table(header, rows)
 
 
 def drop_empty_columns(
@@ -548,21 +546,26 @@ def samples_section(run_dir: Path) -> list[str]:
     rows = [r for r in read_metrics(path) if {"step", "node", "split"} <= r.keys()]
     if not rows:
         return []
-    lines = ["## Samples at the last evaluation", ""]
-    lines += [
-        "| node | step | split | question | completion | reward |",
-        "|---|---|---|---|---|---|",
-    ]
+    from ftis.study.tables import table
+
+    body = []
     for node in nodes_in(rows):
         mine = [r for r in rows if r["node"] == node]
         last = max(r["step"] for r in mine)
         for r in (r for r in mine if r["step"] == last):
             reward = r.get("reward")
-            lines.append(
-                f"| {node} | {last} | {r['split']} | {_cell(r.get('question', r.get('prompt', '')))} | "
-                f"{_cell(r.get('completion', ''))} | "
-                f"{'-' if reward is None else f'{float(reward):g}'} |"
+            body.append(
+                [
+                    node,
+                    str(last),
+                    r["split"],
+                    _cell(r.get("question", r.get("prompt", ""))),
+                    _cell(r.get("completion", "")),
+                    "-" if reward is None else f"{float(reward):g}",
+                ]
             )
+    header = ["node", "step", "split", "question", "completion", "reward"]
+    lines = ["## Samples at the last evaluation", "", *table(header, body)]
     lines += [
         "",
         "Greedy completions of each split's first problems: [samples.jsonl](samples.jsonl) "
