@@ -169,3 +169,82 @@ def test_a_skill_without_its_split_is_refused(tmp_path):
     with pytest.raises(ValueError, match="options.skills names 'd', not a node"):
         check_skills(study, {"d": "test"})
     check_skills(study, {"a": "test", "c": "y"})
+
+
+SWARM = {
+    "name": "s",
+    "task": _group(2)["task"],
+    "nodes": [
+        {"name": "a-0", "model": {"preset": "llama-xs"}},
+        {"name": "b-0", "model": {"preset": "llama-xs"}},
+    ],
+    "train": {"steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
+    "eval": {"every": 2, "size": 4, "pass_samples": 0},
+    "algorithm": {"kind": "swarm", "backend": "sim"},
+}
+
+
+def test_swarm_arms(tmp_path):
+    """A swarm pairing against its own Alone arm (max_peers_used 0): peer a-0 (skill x by its
+    name's prefix, present both rounds) all right with HACPO, all wrong alone; b-0 (present one
+    round of two: half the run) all wrong either way."""
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(SWARM))
+    study_spec = {
+        **STUDY,
+        "pairings": {**STUDY["pairings"], "s": {"config": "s.yaml", "label": "swarm"}},
+        "methods": {
+            **STUDY["methods"],
+            "swarm-alone": {
+                "loss": "vis",
+                "label": "Alone in the swarm",
+                "run_set": ["algorithm.max_peers_used=0"],
+            },
+        },
+        "grid": [
+            *STUDY["grid"],
+            {"pairings": ["s"], "methods": ["swarm-alone", "hacpo"], "schemes": ["joint"]},
+        ],
+        "options": {**STUDY["options"], "swarm": {"s": "swarm-alone"}},
+    }
+    (tmp_path / "g2.yaml").write_text(yaml.safe_dump(_group(2)))
+    (tmp_path / "g3.yaml").write_text(yaml.safe_dump(_group(3)))
+    (tmp_path / "groups.yaml").write_text(yaml.safe_dump(study_spec))
+    study = load_study(tmp_path / "groups.yaml")
+    out = tmp_path / "runs"
+    for run in study.runs:
+        nodes = [run.node] if run.node else [n.name for n in run.config.nodes]
+        _write_run(out / run.id, run.pairing, nodes, run.method)
+        if run.pairing == "s":
+            schedule = {
+                "steps": 2,
+                "peers": {"a-0": {"present_rounds": 2}, "b-0": {"present_rounds": 1}},
+            }
+            (out / run.id / "swarm-schedule.json").write_text(json.dumps(schedule))
+            if run.method == "hacpo":  # a-0 all right on every split
+                evals = [
+                    json.loads(x) for x in (out / run.id / "evals.jsonl").read_text().splitlines()
+                ]
+                for e in evals:
+                    if e["node"] == "a-0" and e["step"] == 2:
+                        e["correct"] = encode_outcomes([1, 1, 1, 1])
+                (out / run.id / "evals.jsonl").write_text(
+                    "".join(json.dumps(e) + "\n" for e in evals)
+                )
+    report = tmp_path / "groups.md"
+    write_results(study, out_dir=out, report_path=report)
+    text = report.read_text()
+    swarm = text.split("## swarm", 1)[1]
+    bold = "**+100.0 [+100.0, +100.0]** (better)"
+    assert f"| a-0 | 2 | `x` | {bold} | {bold} |" in swarm
+    assert "| b-0 | 1 | `y` | 0.0 [0.0, 0.0] | 0.0 [0.0, 0.0] |" in swarm
+    assert f"| a-0 | 0.0 [0.0, 0.0] | {bold} |" in swarm  # change over the run
+    assert (
+        "at least half the run whose change is an interval above zero: Alone in the swarm 0 of 2; HACPO 1 of 2."
+        in swarm
+    )
+    # the swarm's methods are not rows of the groups' tables, nor the swarm a group
+    assert (
+        "Alone in the swarm"
+        not in text.split("## swarm", 1)[0].split("## Set-up", 1)[1].split("## g2", 1)[1]
+    )
+    assert "| HACPO | a-0 |" not in text

@@ -578,15 +578,21 @@ class CollabDoc:
             if any(self.data.has(p, m, n) for m in methods for n in self.nodes.get(p, []))
         ]
 
-    def pairing_lines(self, p: str) -> list[str]:
-        """A pairing's section head: its title and description, every method's accuracy and
-        every sharing method's paired differences to the Alone baselines."""
+    def ran(self, p: str) -> list[str]:
+        """The methods with runs on pairing p."""
+        return [m for m in self.methods if any(self.data.has(p, m, n) for n in self.nodes[p])]
+
+    def pairing_lines(self, p: str, *, ran_only: bool = False) -> list[str]:
+        """A pairing's section head: its title and description, every method's accuracy (with
+        `ran_only`, every method with runs on p) and every sharing method's paired differences
+        to the Alone baselines."""
         pn, ps, opts = self.nodes.get(p, []), self.spec.pairings[p], self.opts
+        methods = self.ran(p) if ran_only else self.methods
         L = [f"## {ps.label or p}", ""]
         if ps.description:
             L += [ps.description.strip(), ""]
         L += [f"### Accuracy (`{opts.split}`)", ""]
-        L += [*accuracy_table(self.data, p, pn, self.methods, self.labels, opts.split), ""]
+        L += [*accuracy_table(self.data, p, pn, methods, self.labels, opts.split), ""]
         L += ["### Paired differences to training alone", ""]
         L += [
             *difference_table(self.data, p, pn, self.sharing, self.labels, opts, opts.split),

@@ -12,11 +12,17 @@ groups ask:
 - each node's accuracy on every skill of the task against its own Alone run (`options.skills`:
   node -> the split of its own skill; the other splits are the transfer);
 - more peers: a node in a larger group against the same node, method and seed in a smaller one;
-- HACPO per (learner, peer) pair: the capability, weight and discrepancy it logged per peer.
+- HACPO per (learner, peer) pair: the capability, weight and discrepancy it logged per peer;
+- swarm arms (`options.swarm`: pairing -> its Alone method, the same swarm with
+  `algorithm.max_peers_used: 0`): per peer, the rounds it was present, each method against
+  that Alone arm, and each method's change over the run (last evaluation against step 0).
+  A peer's own skill is `options.skills` of its name or of its name without the last `-<i>`
+  (`adder-2` -> `adder`).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -30,8 +36,8 @@ from ftis.algos.ftis.collab import (
     difference_cell,
 )
 from ftis.algos.ftis.collab import collect as collect
-from ftis.study.stats import PairedDifference
-from ftis.study.tables import table
+from ftis.study.stats import PairedDifference, paired_difference
+from ftis.study.tables import is_bold, table
 
 # what must be equal for one node's Alone run to be its baseline in another group
 _SAME_NODE = ("model", "warm_start", "optim", "reward")
@@ -52,9 +58,10 @@ def _node_configs(study: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def check_same_nodes(study: Any, alone_from: str) -> None:
-    """Raise ValueError unless every node of every group is, in model, warm start, optimizer,
-    reward and task, the node of `alone_from` whose Alone runs are its baseline."""
+def check_same_nodes(study: Any, alone_from: str, skip: frozenset[str] = frozenset()) -> None:
+    """Raise ValueError unless every node of every group (but the pairings in `skip`, swarms
+    with an Alone arm of their own) is, in model, warm start, optimizer, reward and task, the
+    node of `alone_from` whose Alone runs are its baseline."""
     configs = _node_configs(study)
     if alone_from not in configs:
         raise ValueError(
@@ -63,7 +70,7 @@ def check_same_nodes(study: Any, alone_from: str) -> None:
         )
     base = configs[alone_from]
     for p, nodes in configs.items():
-        if p == alone_from:
+        if p == alone_from or p in skip:
             continue
         for name, (node, task) in nodes.items():
             if name not in base:
@@ -84,22 +91,22 @@ def check_same_nodes(study: Any, alone_from: str) -> None:
 
 
 def check_skills(study: Any, skills: dict[str, str]) -> None:
-    """Raise ValueError unless every node's own skill (`options.skills`) names a node of the
-    study and an evaluation split of every pairing's task that has that node."""
+    """Raise ValueError unless every key of `options.skills` names a node of the study (or, for
+    a swarm's peers, a node name without its last `-<i>`), and every node's own skill is an
+    evaluation split of its pairing's task."""
     configs = _node_configs(study)
     known = {n for nodes in configs.values() for n in nodes}
-    for node, split in skills.items():
-        if node not in known:
+    for key in skills:
+        if not any(skill_of({key: ""}, n) is not None for n in known):
             raise ValueError(
-                f"options.skills names {node!r}, not a node of the study "
+                f"options.skills names {key!r}, not a node of the study "
                 f"({', '.join(sorted(known))})"
             )
-        for p, nodes in configs.items():
-            if node not in nodes:
-                continue
-            task = nodes[node][1]
+    for p, nodes in configs.items():
+        for node, (_, task) in nodes.items():
+            split = skill_of(skills, node)
             splits = ["test", *(getattr(task, "ood", None) or {})]
-            if split not in splits:
+            if split is not None and split not in splits:
                 raise ValueError(
                     f"options.skills: {node}'s skill split {split!r} is not an evaluation split "
                     f"of pairing {p!r}'s task ({', '.join(splits)}); add it under task.ood, "
@@ -213,6 +220,109 @@ def pair_table(data: CollabData, pairing: str, nodes: list[str], method: str) ->
     )
 
 
+def skill_of(skills: dict[str, str], node: str) -> str | None:
+    """A node's own skill split: skills[node], else skills[node without its last -suffix]."""
+    if node in skills:
+        return skills[node]
+    return skills.get(node.rsplit("-", 1)[0]) if "-" in node else None
+
+
+def present_rounds(data: CollabData, p: str, method: str, node: str) -> list[int]:
+    """Rounds node was present in each seed's run (RUN_DIR/swarm-schedule.json), by seed."""
+    out = []
+    for run in data.seeds(p, method, node).values():
+        try:
+            doc = json.loads((run.run_dir / "swarm-schedule.json").read_text())
+            out.append(int(doc["peers"][node]["present_rounds"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def change_over_run(data: CollabData, p: str, method: str, node: str, split: str):
+    """node's last evaluation minus its step-0 evaluation on split, paired by seed."""
+    a: dict[int, np.ndarray] = {}
+    b: dict[int, np.ndarray] = {}
+    for seed, run in data.seeds(p, method, node).items():
+        f, start = data.final(run, split), data.at_step(run, split, 0)
+        if f is not None and start is not None and f[0] > 0:
+            a[seed], b[seed] = f[1], start
+    return paired_difference(a, b)
+
+
+def swarm_lines(doc: CollabDoc, p: str, alone: str, skills: dict[str, str]) -> list[str]:
+    """A swarm pairing's section: per peer the rounds present, each method against `alone` on
+    the mix and the peer's own skill, each method's change over the run; HACPO's capability."""
+    data, labels, split = doc.data, doc.labels, doc.opts.split
+    peers = doc.nodes.get(p, [])
+    sharing = [m for m in doc.ran(p) if m != alone]
+    methods = [alone, *sharing]
+    steps = doc.spec.pairings[p]
+    L = [f"## {steps.label or p}", ""]
+    if steps.description:
+        L += [steps.description.strip(), ""]
+    rows = []
+    for n in peers:
+        present = present_rounds(data, p, alone, n) or present_rounds(data, p, methods[0], n)
+        own = skill_of(skills, n)
+        cells = []
+        for m in sharing:
+            cells.append(difference_cell(data.at_equal_steps(p, n, m, alone, split)))
+            if skills:
+                own_d = None if own is None else data.at_equal_steps(p, n, m, alone, own)
+                cells.append("-" if own_d is None else difference_cell(own_d))
+        rows.append([n, "/".join(map(str, sorted(set(present)))) or "-", f"`{own or '-'}`", *cells])
+    header = ["peer", "rounds present", "own skill"]
+    for m in sharing:
+        header.append(f"{labels.get(m, m)} vs {labels.get(alone, alone)}, `{split}`")
+        if skills:
+            header.append(f"{labels.get(m, m)} vs {labels.get(alone, alone)}, own skill")
+    L += [
+        f"### Each peer against {labels.get(alone, alone)} (the same swarm and churn, no "
+        "sharing), equal steps",
+        "",
+        *table(header, rows, empty="No peer has runs of both."),
+        "",
+    ]
+    rows = []
+    improved = {m: [0, 0] for m in methods}  # method -> [peers present >= half that improved, of]
+    for n in peers:
+        cells = []
+        for m in methods:
+            d = change_over_run(data, p, m, n, split)
+            cells.append(difference_cell(d))
+            present = present_rounds(data, p, m, n)
+            total = _steps_of(data, p, m, n)
+            if present and total and min(present) * 2 >= total:
+                improved[m][1] += 1
+                improved[m][0] += int(is_bold(d) and d.mean > 0)
+        rows.append([n, *cells])
+    L += [
+        f"### Change over the run (`{split}`): last evaluation minus step 0, paired by seed",
+        "",
+        *table(["peer", *(labels.get(m, m) for m in methods)], rows, empty=""),
+        "",
+        "Peers present at least half the run whose change is an interval above zero: "
+        + "; ".join(f"{labels.get(m, m)} {k} of {t}" for m, (k, t) in improved.items())
+        + ".",
+        "",
+    ]
+    for h in doc.hacpo:
+        if h in methods:
+            L += doc.hacpo_lines(p, h)
+    return L
+
+
+def _steps_of(data: CollabData, p: str, method: str, node: str) -> int | None:
+    """The run's train.steps (from the swarm schedule), or None."""
+    for run in data.seeds(p, method, node).values():
+        try:
+            return int(json.loads((run.run_dir / "swarm-schedule.json").read_text())["steps"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
 def _node_runs(study: Any, runs: list[NodeRun]) -> list[NodeRun]:
     """The runs' nodes, checked (options.skills, options.alone_from) and with the Alone runs of
     `alone_from` filed under every group."""
@@ -222,7 +332,7 @@ def _node_runs(study: Any, runs: list[NodeRun]) -> list[NodeRun]:
     alone_from = options.get("alone_from")
     if not alone_from:
         return runs
-    check_same_nodes(study, alone_from)
+    check_same_nodes(study, alone_from, frozenset(options.get("swarm") or {}))
     alone = {k for k, m in study.spec.methods.items() if m.alone}
     return borrow_alone(runs, alone, alone_from, _pairing_nodes(study))
 
@@ -235,7 +345,9 @@ def _groups_body(doc: CollabDoc) -> tuple[list[str], list[str]]:
     alone_from = options.get("alone_from")
     skills: dict[str, str] = dict(options.get("skills") or {})
     nodes = doc.nodes
-    groups = doc.with_results(sharing)
+    swarms: dict[str, str] = dict(options.get("swarm") or {})
+    sharing = [m for m in sharing if m not in swarms.values()]  # a swarm's Alone arm
+    groups = [p for p in doc.with_results(sharing) if p not in swarms]
     L: list[str] = []
     if alone_from:
         L += [
@@ -246,7 +358,7 @@ def _groups_body(doc: CollabDoc) -> tuple[list[str], list[str]]:
         ]
     for p in groups:
         pn = nodes.get(p, [])
-        L += doc.pairing_lines(p)
+        L += doc.pairing_lines(p, ran_only=True)
         if skills:
             b = opts.baselines[0]
             t = skills_table(data, p, pn, sharing, labels, b, skills)
@@ -286,6 +398,9 @@ def _groups_body(doc: CollabDoc) -> tuple[list[str], list[str]]:
                 "",
                 *body,
             ]
+    for p, alone in swarms.items():
+        if p in doc.with_results(doc.methods):
+            L += swarm_lines(doc, p, alone, skills)
     return groups, L
 
 
