@@ -12,9 +12,17 @@ every run of seed 0 first), from scratch into two temporary folders:
   gives them (`threads_per_node`: cores / (jobs x nodes), at least 1).
 Each side's wall-clock time covers its whole sweep. Then the two folders are compared run for
 run: every evaluation record (evals.jsonl, the greedy outcome of every test problem) and every
-metrics row with its timing fields left out must be equal. Warm starts come from ftis's cache
-(the shipped bases), so neither side trains one. What varies by machine: the times (the ratio
-depends on the cores, their memory bandwidth, and how many of the runs have two nodes).
+metrics row with its timing fields left out must be equal, as sets of records (the nodes of a
+2-node run append their rows in whichever order they finish a step). Warm starts come from
+ftis's cache (the shipped bases), so neither side trains one.
+
+The ceiling, measured in the same run: the study's first one-node run alone and then two
+copies of it at once (each `OMP_NUM_THREADS=1 ftis sweep --only` in a process of its own): the
+machine's capacity c = 2 t(alone) / t(two at once) for two one-thread runs (2.0 on two idle
+cores that share nothing; less where they share caches, memory bandwidth or a physical core).
+With the `--jobs 1` side's per-run times, the fastest `--jobs 2` can be is the one-slot runs'
+time / c plus the two-slot runs' time (a 2-node run takes both slots): the ceiling on the
+speed-up. What varies by machine: the times, c, and so the ratio.
 """
 
 from __future__ import annotations
@@ -58,14 +66,59 @@ def _rows(path: Path) -> list[dict]:
     return out
 
 
+def _records(path: Path) -> list[str]:
+    """A jsonl file's records (timing fields left out), as sorted canonical JSON: the same set
+    whatever order a run's nodes appended them in."""
+    return sorted(json.dumps(r, sort_keys=True) for r in _rows(path))
+
+
 def compare(a: Path, b: Path, ids: list[str]) -> list[str]:
     """Run ids whose evaluations or metrics (timings left out) differ between the folders."""
     differ = []
     for rid in ids:
-        ea, eb = (a / rid / "evals.jsonl").read_text(), (b / rid / "evals.jsonl").read_text()
-        if ea != eb or _rows(a / rid / "metrics.jsonl") != _rows(b / rid / "metrics.jsonl"):
-            differ.append(rid)
+        for name in ("evals.jsonl", "metrics.jsonl"):
+            if _records(a / rid / name) != _records(b / rid / name):
+                differ.append(rid)
+                break
     return differ
+
+
+def _run_seconds(out: Path, ids: list[str]) -> dict[str, float]:
+    """Each run's own seconds (its study-run.json)."""
+    out_s = {}
+    for rid in ids:
+        try:
+            out_s[rid] = float(json.loads((out / rid / "study-run.json").read_text())["seconds"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out_s
+
+
+def capacity(study_path: Path, run_id: str, tmp: Path) -> dict:
+    """t(alone) and t(two at once) of one one-node run, each an `ftis sweep --only` process
+    with one thread, and c = 2 t(alone) / t(two at once)."""
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+
+    def start(out: Path):
+        cmd = [sys.executable, "-m", "ftis", "sweep", str(study_path), "--only", run_id]
+        cmd += ["--out", str(out), "--report", str(out / "report.md")]
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def wait(procs) -> None:
+        for p in procs:
+            _, err = p.communicate()
+            if p.returncode != 0:
+                raise RuntimeError(f"{run_id}: {err.decode()[-2000:]}")
+
+    t0 = time.perf_counter()
+    wait([start(tmp / "alone")])
+    alone = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    wait([start(tmp / "pair-a"), start(tmp / "pair-b")])
+    pair = time.perf_counter() - t0
+    return {"run": run_id, "alone_s": alone, "pair_s": pair, "c": 2 * alone / pair}
 
 
 def measure(study_path: Path, n: int) -> dict:
@@ -77,8 +130,12 @@ def measure(study_path: Path, n: int) -> dict:
 
     study = engine.load_study(study_path)
     study.runs = _first_runs(study, n)
+    from ftis.study.runner import slots_of
+
     ids = [r.id for r in study.runs]
     nodes = {r.id: len(r.config.nodes) for r in study.runs}
+    slots = {r.id: slots_of(r, 2) for r in study.runs}
+    single = next(r.id for r in study.runs if slots[r.id] == 1)
     env_before = os.environ.get("OMP_NUM_THREADS")
     with tempfile.TemporaryDirectory(prefix="ftis-sweep-jobs-") as tmp:
         tmp = Path(tmp)
@@ -91,8 +148,13 @@ def measure(study_path: Path, n: int) -> dict:
         t2 = _sweep(study, tmp / "jobs2", 2)
         load2 = _load()
         differ = compare(tmp / "jobs1", tmp / "jobs2", ids)
+        per1, per2 = _run_seconds(tmp / "jobs1", ids), _run_seconds(tmp / "jobs2", ids)
+        cap = capacity(study_path, single, tmp / "capacity")
     if env_before is not None:
         os.environ["OMP_NUM_THREADS"] = env_before
+    one = sum(per1.get(i, 0.0) for i in ids if slots[i] == 1)
+    two = sum(per1.get(i, 0.0) for i in ids if slots[i] > 1)
+    floor = one / cap["c"] + two
     return {
         "environment": environment(),
         "study": str(study_path.relative_to(ROOT) if study_path.is_absolute() else study_path),
@@ -103,6 +165,12 @@ def measure(study_path: Path, n: int) -> dict:
         "speedup": t1 / t2,
         "differ": differ,
         "load": [load0, load1, load2],
+        "seconds_jobs1": per1,
+        "seconds_jobs2": per2,
+        "slots": slots,
+        "capacity": cap,
+        "floor_s": floor,
+        "ceiling": t1 / floor,
     }
 
 
@@ -124,7 +192,8 @@ def markdown(r: dict) -> str:
             f"The first {len(r['runs'])} runs of `{r['study']}` in the order `ftis sweep` runs "
             f"them ({r['two_node_runs']} of them with two nodes), from scratch, once with "
             "`OMP_NUM_THREADS=1 ftis sweep` (one run at a time, as the study file says) and once "
-            "with `ftis sweep --jobs 2` (two at a time, threads set by the sweep). Load average "
+            "with `ftis sweep --jobs 2` (two slots: two one-node runs at a time, a 2-node run alone; "
+            "threads set by the sweep). Load average "
             f"(1 min) {r['load'][0]:.1f} before, {r['load'][1]:.1f} between, "
             f"{r['load'][2]:.1f} after.",
             "",
@@ -134,6 +203,7 @@ def markdown(r: dict) -> str:
             f"| `--jobs 2` | {r['jobs2_s']:.0f} |",
             f"| speed-up | **{r['speedup']:.2f}x** |",
             "",
+            *_ceiling_lines(r),
             f"Results, run for run (every evaluation record and every metrics row but its "
             f"timings): {same}. Target (issue 38): at least 1.6x on 2 cores, identical results.",
             "",
@@ -141,6 +211,33 @@ def markdown(r: dict) -> str:
             "",
         ]
     )
+
+
+def _ceiling_lines(r: dict) -> list[str]:
+    if "capacity" not in r:
+        return []
+    cap, per1, per2 = r["capacity"], r["seconds_jobs1"], r["seconds_jobs2"]
+    one = [i for i in r["runs"] if r["slots"][i] == 1]
+    two = [i for i in r["runs"] if r["slots"][i] > 1]
+    return [
+        f"The ceiling, measured in the same run: `{cap['run']}` alone took "
+        f"{cap['alone_s']:.1f} s, two copies at once {cap['pair_s']:.1f} s: this machine runs two "
+        f"one-thread runs at c = {cap['c']:.2f}x the speed of one. The `--jobs 1` side's "
+        f"{len(one)} one-slot runs took {sum(per1.get(i, 0) for i in one):.0f} s and its "
+        f"{len(two)} two-slot runs {sum(per1.get(i, 0) for i in two):.0f} s, so `--jobs 2` can "
+        f"take no less than {r['floor_s']:.0f} s: a speed-up of at most "
+        f"**{r['ceiling']:.2f}x** here, of which it reached "
+        f"{r['speedup'] / r['ceiling'] * 100:.0f}%.",
+        "",
+        "| run | slots | `--jobs 1` (s) | `--jobs 2` (s) |",
+        "|---|---|---|---|",
+        *(
+            f"| `{i}` | {r['slots'][i]} | {per1.get(i, float('nan')):.1f} | "
+            f"{per2.get(i, float('nan')):.1f} |"
+            for i in r["runs"]
+        ),
+        "",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -377,8 +377,32 @@ def test_threads_per_node_fill_the_machine(monkeypatch):
     assert threads_per_node(2, 1, cpus=8) == 4
     assert threads_per_node(2, 2, cpus=8) == 2  # a 2-node run counts as 2
     assert threads_per_node(4, 3, cpus=2) == 1  # never below 1
+    # a 2-node run holding 2 of 2 slots: the machine's cores split between its 2 processes
+    assert threads_per_node(2, 2, cpus=8, slots=2) == 4
+    assert threads_per_node(2, 2, cpus=2, slots=2) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert threads_per_node(2, 2, cpus=8) == 3  # the caller's choice wins
+
+
+def test_a_run_takes_a_slot_per_busy_process():
+    """`--jobs N` is N slots: a 2-node run takes 2 (so on 2 slots it runs alone), a 4-node run
+    all N, the swarm's simulator (every peer in one process) 1, hivemind peers one each."""
+    import types
+
+    from ftis.config import load_config
+    from ftis.study.runner import slots_of
+
+    def run(cfg):
+        return types.SimpleNamespace(config=cfg)
+
+    pair = load_config(None)
+    assert len(pair.nodes) == 2
+    assert slots_of(run(pair), 2) == 2 and slots_of(run(pair), 1) == 1
+    assert slots_of(run(pair), 8) == 2
+    swarm = load_config(ROOT / "configs" / "swarm.yaml")
+    assert len(swarm.nodes) == 16 and slots_of(run(swarm), 2) == 1
+    hive = load_config(ROOT / "configs" / "swarm-hivemind.yaml")
+    assert slots_of(run(hive), 64) == len(hive.nodes) > 1
 
 
 def test_dpo_document_numbers(tmp_path):

@@ -84,3 +84,12 @@ def test_sweep_jobs_compare_ignores_timings_only(tmp_path):
         (d / "metrics.jsonl").write_text(json.dumps(row) + "\n")
     assert compare(tmp_path / "a", tmp_path / "b", ["r1"]) == []
     assert compare(tmp_path / "a", tmp_path / "c", ["r1"]) == ["r1"]
+    # two nodes' rows in either order are the same run; a row of another node is not
+    rows = [{"step": 1, "node": "x", "loss/loss": 0.5}, {"step": 1, "node": "y", "loss/loss": 0.7}]
+    for side, order in (("d", rows), ("e", rows[::-1]), ("f", [rows[0], rows[0]])):
+        d = tmp_path / side / "r2"
+        d.mkdir(parents=True)
+        (d / "evals.jsonl").write_text('{"step": 0}\n')
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in order))
+    assert compare(tmp_path / "d", tmp_path / "e", ["r2"]) == []
+    assert compare(tmp_path / "d", tmp_path / "f", ["r2"]) == ["r2"]

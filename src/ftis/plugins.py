@@ -57,6 +57,11 @@ class AlgorithmConfig(BaseModel):
     def check_run(self, run: Any) -> None:
         """Cross-field checks against the whole run config; raise ValueError with a fix."""
 
+    def busy_processes(self, run: Any) -> int:
+        """How many processes of this run compute at once (what `ftis sweep --jobs` counts
+        against the cores): one per training node by default."""
+        return len(run.nodes)
+
     def required_packages(self) -> list[tuple[str, str]]:
         """(module, extra) pairs this configuration needs beyond ftis's own dependencies; the
         launcher checks them before the run starts and names the extra to install."""

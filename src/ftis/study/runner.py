@@ -252,15 +252,28 @@ class _Sweep:
         self.progress.advance(self.bar)
 
 
-def threads_per_node(jobs: int, nodes: int, cpus: int | None = None) -> int:
-    """Torch threads for each node process of a run when `jobs` runs of `nodes` nodes share the
-    machine's `cpus` cores: the total matches the machine (a 2-node run counts as 2), at
+def busy_of(run: RunSpec) -> int:
+    """How many of a run's processes compute at once (its algorithm's `busy_processes`: one
+    per node, one for the swarm's simulator)."""
+    busy = getattr(run.config.algorithm, "busy_processes", None)
+    return max(1, int(busy(run.config) if callable(busy) else len(run.config.nodes)))
+
+
+def slots_of(run: RunSpec, jobs: int) -> int:
+    """The sweep's slots a run takes (`--jobs N` is N slots, one core's share each): one per
+    process that computes at once (a 2-node run counts as 2), at most all N."""
+    return min(busy_of(run), jobs)
+
+
+def threads_per_node(jobs: int, nodes: int, cpus: int | None = None, slots: int = 1) -> int:
+    """Torch threads for each of a run's `nodes` busy processes when it holds `slots` of the
+    sweep's `jobs` on `cpus` cores: the run's share of the cores split among its processes, at
     least 1. $OMP_NUM_THREADS, when set, wins (the caller's choice, e.g. 1 for timings)."""
     env = os.environ.get("OMP_NUM_THREADS")
     if env and env.isdigit() and int(env) > 0:
         return int(env)
     cpus = cpus or os.cpu_count() or 1
-    return max(1, cpus // (jobs * max(1, nodes)))
+    return max(1, cpus * slots // (jobs * max(1, nodes)))
 
 
 def _execute_in_child(
@@ -291,20 +304,27 @@ def _child_main(
 def _run_parallel(
     todo: list[tuple[RunSpec, str]], out_dir: Path, execute: ExecuteHook, jobs: int, sweep: _Sweep
 ) -> None:
-    """`jobs` runs at a time, each in a fresh spawned process of its own (no state carries from
+    """Runs in `jobs` slots, each in a fresh spawned process of its own (no state carries from
     one run to the next, and a run whose process dies, killed or crashed, fails alone), started
-    in the sweep's order."""
+    in the sweep's order as their slots free up: a run takes one slot per process that computes
+    at once (`slots_of`), so that a 2-node run on 2 slots runs alone instead of three processes
+    sharing two cores (its nodes wait for each other every step: a descheduled node stalls
+    both)."""
     import multiprocessing
     from multiprocessing.connection import wait
 
     ctx = multiprocessing.get_context("spawn")
-    running: dict[Any, tuple[Any, Any, str]] = {}  # sentinel -> (process, pipe end, run id)
+    # sentinel -> (process, pipe end, run id, slots)
+    running: dict[Any, tuple[Any, Any, str, int]] = {}
     queue = list(todo)
     try:
         while queue or running:
-            while queue and len(running) < jobs:
+            while queue and slots_of(queue[0][0], jobs) <= jobs - sum(
+                r[3] for r in running.values()
+            ):
                 run, state = queue.pop(0)
-                threads = threads_per_node(jobs, len(run.config.nodes))
+                slots = slots_of(run, jobs)
+                threads = threads_per_node(jobs, busy_of(run), slots=slots)
                 recv, send = ctx.Pipe(duplex=False)
                 proc = ctx.Process(
                     target=_child_main,
@@ -313,10 +333,10 @@ def _run_parallel(
                 )
                 proc.start()
                 send.close()
-                running[proc.sentinel] = (proc, recv, run.id)
-                sweep.started([r for _, _, r in running.values()])
+                running[proc.sentinel] = (proc, recv, run.id, slots)
+                sweep.started([r[2] for r in running.values()])
             for sentinel in wait(list(running)):
-                proc, recv, run_id = running.pop(sentinel)
+                proc, recv, run_id, _ = running.pop(sentinel)
                 proc.join()
                 outcome = recv.recv() if recv.poll() else None
                 recv.close()
@@ -327,10 +347,10 @@ def _run_parallel(
                 else:
                     sweep.finished(run_id, error=outcome[1])
             if running:
-                sweep.started([r for _, _, r in running.values()])
+                sweep.started([r[2] for r in running.values()])
     except KeyboardInterrupt:
         # the children got the same Ctrl-C (one process group) and stop their runs themselves
-        for proc, _, _ in running.values():
+        for proc, *_ in running.values():
             proc.join(timeout=60)
             if proc.is_alive():
                 proc.terminate()

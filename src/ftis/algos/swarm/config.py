@@ -190,6 +190,10 @@ class SwarmConfig(AlgorithmConfig):
                 data = {**data, "churn": churn, "random_churn": churn.pop("random")}
         return data
 
+    def busy_processes(self, run: Any) -> int:
+        """The simulator runs every peer in one process, one at a time; hivemind one per peer."""
+        return 1 if self.backend == "sim" else len(run.nodes)
+
     def start_peers(self, run: Any) -> frozenset[int]:
         """Ids of the initial peers: the nodes without a `join_at` (explicit or generated), who
         start together."""
