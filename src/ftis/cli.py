@@ -448,8 +448,9 @@ def sweep(
         typer.Option(
             "--jobs",
             min=1,
-            help="Runs at a time, each in its own process with threads = cores / (jobs x its "
-            "nodes) ($OMP_NUM_THREADS wins). 1: one after another, in this process.",
+            help="Slots: runs at a time, each in its own process, a run taking one slot per "
+            "node process (a 2-node run 2, at most all); threads = cores x its slots / (jobs x "
+            "its processes) ($OMP_NUM_THREADS wins). 1: one after another, in this process.",
         ),
     ] = 1,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
