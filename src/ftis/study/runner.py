@@ -58,14 +58,19 @@ def run_status(run_dir: Path, cfg: RunConfig) -> Status:
     return "done" if all(n.name in last for n in cfg.nodes) else "incomplete"
 
 
-def complete_runs(study: Any, out_dir: Path) -> tuple[list[tuple[Any, Path, dict]], list[str]]:
-    """(run, its directory, its study-run.json) of every complete run of a study (every node
-    logged its last step), in the study's order, and the ids of the runs that are not complete:
-    what the grid and arms renderers' collect reads."""
+def complete_runs(
+    study: Any, out_dir: Path, status: Callable[[Any, Path], str] | None = None
+) -> tuple[list[tuple[Any, Path, dict]], list[str]]:
+    """(run, its directory, its study-run.json) of every complete run of a study, in the study's
+    order, and the ids of the runs that are not complete: what every renderer's collect reads.
+    `status(run, run_dir)` says "done" of a complete run (default: every node logged its last
+    step), as a study kind's status hook does (FGRPO's: a centralized run is done once its
+    clients' evaluation is)."""
     done, missing = [], []
     for run in study.runs:
         d = Path(out_dir) / run.id
-        if run_status(d, run.config) != "done":
+        state = run_status(d, run.config) if status is None else status(run, d)
+        if state != "done":
             missing.append(run.id)
             continue
         try:

@@ -9,7 +9,6 @@ existing document is hand-written and carried over verbatim when the file is reg
 from __future__ import annotations
 
 import itertools
-import json
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from ftis.algos.fgrpo.study import CLIENT_EVAL, FGRPORun, FGRPOStudy, run_state
 from ftis.models.real import model_label
 from ftis.study.document import partial_lines, reading_lines
 from ftis.study.pages import figure_lines, finish_axes, save
-from ftis.study.runner import RUN_META
+from ftis.study.runner import complete_runs
 from ftis.study.tables import (
     DIFFERENCES_NOTE,
     Differences,
@@ -88,16 +87,9 @@ def run_data(run: FGRPORun, rows: Iterable[dict[str, Any]], meta: dict | None = 
 
 def collect(study: FGRPOStudy, out_dir: Path) -> tuple[list[RunData], list[str]]:
     """RunData of the study's complete runs, and the ids of the others."""
-    results, missing = [], []
-    for run in study.runs:
-        d = out_dir / run.id
-        if run_state(run, d) != "done":
-            missing.append(run.id)
-            continue
-        try:
-            meta = json.loads((d / RUN_META).read_text())
-        except (OSError, ValueError):
-            meta = {}
+    results = []
+    done, missing = complete_runs(study, out_dir, status=run_state)
+    for run, d, meta in done:
         if run.kind == "centralized":
             rows = read_metrics(d / CLIENT_EVAL)
             meta = {
