@@ -16,7 +16,7 @@ metrics row with its timing fields left out must be equal, as sets of records (t
 2-node run append their rows in whichever order they finish a step). Warm starts come from
 ftis's cache (the shipped bases), so neither side trains one.
 
-The ceiling, measured in the same run: the study's first one-node run alone and then two
+The ceiling, measured in the same run (first): the study's first one-node run alone and then two
 copies of it at once (each `OMP_NUM_THREADS=1 ftis sweep --only` in a process of its own): the
 machine's capacity c = 2 t(alone) / t(two at once) for two one-thread runs (2.0 on two idle
 cores that share nothing; less where they share caches, memory bandwidth or a physical core).
@@ -102,7 +102,7 @@ def capacity(study_path: Path, run_id: str, tmp: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
 
     def start(out: Path):
-        cmd = [sys.executable, "-m", "ftis", "sweep", str(study_path), "--only", run_id]
+        cmd = [sys.executable, "-m", "ftis.cli", "sweep", str(study_path), "--only", run_id]
         cmd += ["--out", str(out), "--report", str(out / "report.md")]
         return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -139,6 +139,8 @@ def measure(study_path: Path, n: int) -> dict:
     env_before = os.environ.get("OMP_NUM_THREADS")
     with tempfile.TemporaryDirectory(prefix="ftis-sweep-jobs-") as tmp:
         tmp = Path(tmp)
+        # first, so that a failure here costs minutes, not the sweeps
+        cap = capacity(study_path, single, tmp / "capacity")
         load0 = _load()
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
@@ -149,7 +151,6 @@ def measure(study_path: Path, n: int) -> dict:
         load2 = _load()
         differ = compare(tmp / "jobs1", tmp / "jobs2", ids)
         per1, per2 = _run_seconds(tmp / "jobs1", ids), _run_seconds(tmp / "jobs2", ids)
-        cap = capacity(study_path, single, tmp / "capacity")
     if env_before is not None:
         os.environ["OMP_NUM_THREADS"] = env_before
     one = sum(per1.get(i, 0.0) for i in ids if slots[i] == 1)
