@@ -220,6 +220,12 @@ def test_swarm_arms(tmp_path):
                 "peers": {"a-0": {"present_rounds": 2}, "b-0": {"present_rounds": 1}},
             }
             (out / run.id / "swarm-schedule.json").write_text(json.dumps(schedule))
+            # b-0 joined late: its first evaluation is at step 1 (all wrong), not step 0
+            evals = [json.loads(x) for x in (out / run.id / "evals.jsonl").read_text().splitlines()]
+            for e in evals:
+                if e["node"] == "b-0" and e["step"] == 0:
+                    e["step"] = 1
+            (out / run.id / "evals.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
             if run.method == "hacpo":  # a-0 all right on every split
                 evals = [
                     json.loads(x) for x in (out / run.id / "evals.jsonl").read_text().splitlines()
@@ -238,6 +244,8 @@ def test_swarm_arms(tmp_path):
     assert f"| a-0 | 2 | `x` | {bold} | {bold} |" in swarm
     assert "| b-0 | 1 | `y` | 0.0 [0.0, 0.0] | 0.0 [0.0, 0.0] |" in swarm
     assert f"| a-0 | 0.0 [0.0, 0.0] | {bold} |" in swarm  # change over the run
+    # b-0's change is from its first evaluation (step 1): measured, not left out
+    assert "| b-0 | 0.0 [0.0, 0.0] | 0.0 [0.0, 0.0] |" in swarm
     assert (
         "at least half the run whose change is an interval above zero: Alone in the swarm 0 of 2; HACPO 1 of 2."
         in swarm

@@ -15,7 +15,7 @@ groups ask:
 - HACPO per (learner, peer) pair: the capability, weight and discrepancy it logged per peer;
 - swarm arms (`options.swarm`: pairing -> its Alone method, the same swarm with
   `algorithm.max_peers_used: 0`): per peer, the rounds it was present, each method against
-  that Alone arm, and each method's change over the run (last evaluation against step 0).
+  that Alone arm, and each method's change over the run (last evaluation against the first).
   A peer's own skill is `options.skills` of its name or of its name without the last `-<i>`
   (`adder-2` -> `adder`).
 """
@@ -240,13 +240,14 @@ def present_rounds(data: CollabData, p: str, method: str, node: str) -> list[int
 
 
 def change_over_run(data: CollabData, p: str, method: str, node: str, split: str):
-    """node's last evaluation minus its step-0 evaluation on split, paired by seed."""
+    """node's last evaluation minus its first on split (step 0, or a late joiner's first),
+    paired by seed."""
     a: dict[int, np.ndarray] = {}
     b: dict[int, np.ndarray] = {}
     for seed, run in data.seeds(p, method, node).items():
-        f, start = data.final(run, split), data.at_step(run, split, 0)
-        if f is not None and start is not None and f[0] > 0:
-            a[seed], b[seed] = f[1], start
+        f, start = data.final(run, split), data.first(run, split)
+        if f is not None and start is not None and f[0] > start[0]:
+            a[seed], b[seed] = f[1], start[1]
     return paired_difference(a, b)
 
 
@@ -257,10 +258,10 @@ def swarm_lines(doc: CollabDoc, p: str, alone: str, skills: dict[str, str]) -> l
     peers = doc.nodes.get(p, [])
     sharing = [m for m in doc.ran(p) if m != alone]
     methods = [alone, *sharing]
-    steps = doc.spec.pairings[p]
-    L = [f"## {steps.label or p}", ""]
-    if steps.description:
-        L += [steps.description.strip(), ""]
+    ps = doc.spec.pairings[p]
+    L = [f"## {ps.label or p}", ""]
+    if ps.description:
+        L += [ps.description.strip(), ""]
     rows = []
     for n in peers:
         present = present_rounds(data, p, alone, n) or present_rounds(data, p, methods[0], n)
@@ -298,7 +299,8 @@ def swarm_lines(doc: CollabDoc, p: str, alone: str, skills: dict[str, str]) -> l
                 improved[m][0] += int(is_bold(d) and d.mean > 0)
         rows.append([n, *cells])
     L += [
-        f"### Change over the run (`{split}`): last evaluation minus step 0, paired by seed",
+        f"### Change over the run (`{split}`): last evaluation minus the first (step 0, or a "
+        "late joiner's first), paired by seed",
         "",
         *table(["peer", *(labels.get(m, m) for m in methods)], rows, empty=""),
         "",
