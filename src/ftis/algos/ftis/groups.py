@@ -23,6 +23,7 @@ groups ask:
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -227,14 +228,26 @@ def skill_of(skills: dict[str, str], node: str) -> str | None:
     return skills.get(node.rsplit("-", 1)[0]) if "-" in node else None
 
 
-def present_rounds(data: CollabData, p: str, method: str, node: str) -> list[int]:
-    """Rounds node was present in each seed's run (RUN_DIR/swarm-schedule.json), by seed."""
+def _schedule(run: NodeRun, memo: dict[Path, dict]) -> dict:
+    """A swarm run's RUN_DIR/swarm-schedule.json ({} where it has none), read once per run."""
+    if run.run_dir not in memo:
+        try:
+            memo[run.run_dir] = json.loads((run.run_dir / "swarm-schedule.json").read_text())
+        except (OSError, ValueError):
+            memo[run.run_dir] = {}
+    return memo[run.run_dir]
+
+
+def presence(
+    data: CollabData, p: str, method: str, node: str, memo: dict[Path, dict]
+) -> list[tuple[int, int]]:
+    """(rounds node was present, the run's rounds) in each seed's run of `method`."""
     out = []
     for run in data.seeds(p, method, node).values():
+        doc = _schedule(run, memo)
         try:
-            doc = json.loads((run.run_dir / "swarm-schedule.json").read_text())
-            out.append(int(doc["peers"][node]["present_rounds"]))
-        except (OSError, ValueError, KeyError, TypeError):
+            out.append((int(doc["peers"][node]["present_rounds"]), int(doc["steps"])))
+        except (KeyError, TypeError, ValueError):
             continue
     return out
 
@@ -262,9 +275,10 @@ def swarm_lines(doc: CollabDoc, p: str, alone: str, skills: dict[str, str]) -> l
     L = [f"## {ps.label or p}", ""]
     if ps.description:
         L += [ps.description.strip(), ""]
+    memo: dict[Path, dict] = {}
     rows = []
     for n in peers:
-        present = present_rounds(data, p, alone, n) or present_rounds(data, p, methods[0], n)
+        present = [r for r, _ in presence(data, p, alone, n, memo)]
         own = skill_of(skills, n)
         cells = []
         for m in sharing:
@@ -292,9 +306,8 @@ def swarm_lines(doc: CollabDoc, p: str, alone: str, skills: dict[str, str]) -> l
         for m in methods:
             d = change_over_run(data, p, m, n, split)
             cells.append(difference_cell(d))
-            present = present_rounds(data, p, m, n)
-            total = _steps_of(data, p, m, n)
-            if present and total and min(present) * 2 >= total:
+            seen = presence(data, p, m, n, memo)
+            if seen and all(2 * r >= total for r, total in seen):
                 improved[m][1] += 1
                 improved[m][0] += int(is_bold(d) and d.mean > 0)
         rows.append([n, *cells])
@@ -313,16 +326,6 @@ def swarm_lines(doc: CollabDoc, p: str, alone: str, skills: dict[str, str]) -> l
         if h in methods:
             L += doc.hacpo_lines(p, h)
     return L
-
-
-def _steps_of(data: CollabData, p: str, method: str, node: str) -> int | None:
-    """The run's train.steps (from the swarm schedule), or None."""
-    for run in data.seeds(p, method, node).values():
-        try:
-            return int(json.loads((run.run_dir / "swarm-schedule.json").read_text())["steps"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return None
 
 
 def _node_runs(study: Any, runs: list[NodeRun]) -> list[NodeRun]:
@@ -400,8 +403,9 @@ def _groups_body(doc: CollabDoc) -> tuple[list[str], list[str]]:
                 "",
                 *body,
             ]
+    with_runs = doc.with_results(doc.methods)
     for p, alone in swarms.items():
-        if p in doc.with_results(doc.methods):
+        if p in with_runs:
             L += swarm_lines(doc, p, alone, skills)
     return groups, L
 
