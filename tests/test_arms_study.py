@@ -369,6 +369,58 @@ def test_a_run_whose_process_dies_fails_alone_under_jobs(tmp_path, monkeypatch):
     assert json.loads((out / "gd-s0/study-run.json").read_text())["status"] == "done"
 
 
+@pytest.mark.long
+def test_sigterm_to_a_jobs_sweep_stops_every_run_at_a_checkpoint(tmp_path):
+    """SIGTERM to `ftis sweep --jobs 2` alone (not its process group, as a scheduler or `kill`
+    sends it): both runs in flight get it, checkpoint and stop, the sweep exits 130 with no
+    process of its own left behind, and the same command then finishes both runs."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from ftis.launch.stop import _processes, alive
+
+    path = _tiny_study(tmp_path, {"gd": {"config": "tiny.yaml"}}, seeds=[0, 1])
+    spec = yaml.safe_load(path.read_text())
+    spec["set"] += ["train.steps=150", "eval.every=150", "train.max_steps_without_signal=0"]
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "ftis.cli", "sweep", str(path), "--out", str(out), "--jobs", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    sweep = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    rows = [out / f"gd-s{s}" / "metrics.jsonl" for s in (0, 1)]
+    deadline = time.monotonic() + 240
+    while not all(r.exists() and r.stat().st_size for r in rows):
+        assert sweep.poll() is None, sweep.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline, "the two runs never both trained a step"
+        time.sleep(0.5)
+
+    def descendants(pid: int) -> set[int]:
+        procs, found, frontier = _processes(), set(), {pid}
+        while frontier:
+            frontier = {p for p, (_, parent) in procs.items() if parent in frontier} - found
+            found |= frontier
+        return found
+
+    family = descendants(sweep.pid)
+    assert family, "the runs' processes were not found"
+    sweep.send_signal(signal.SIGTERM)
+    _, err = sweep.communicate(timeout=180)
+    assert sweep.returncode == 130, err.decode()[-2000:]
+    time.sleep(1)
+    assert not [p for p in family if alive(p)], "processes of the sweep outlived it"
+    for s in (0, 1):
+        meta = json.loads((out / f"gd-s{s}" / "study-run.json").read_text())
+        assert meta["status"] != "done"
+        assert list((out / f"gd-s{s}" / "nodes").glob("*/step-*")), "no checkpoint written"
+    res = subprocess.run(cmd, env=env, capture_output=True, timeout=240)
+    assert res.returncode == 0, res.stderr.decode()[-2000:]
+    for s in (0, 1):
+        assert json.loads((out / f"gd-s{s}" / "study-run.json").read_text())["status"] == "done"
+
+
 def test_threads_per_node_fill_the_machine(monkeypatch):
     from ftis.study.runner import threads_per_node
 

@@ -9,9 +9,12 @@ short; redoing one is simpler and safer than resuming it mid-way).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -299,29 +302,63 @@ def _child_main(
     """The body of a run's process: its outcome goes back through `conn`, ("ok", seconds) or
     ("error", message); a process that dies without sending is a failed run too."""
     try:
-        conn.send(("ok", _execute_in_child(execute, run, run_dir, state, threads)))
+        outcome = ("ok", _execute_in_child(execute, run, run_dir, state, threads))
     except BaseException as e:  # every way a run ends is reported
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        outcome = ("error", f"{type(e).__name__}: {e}")
+    try:
+        conn.send(outcome)
+    except OSError:  # the sweep is gone (stopped while this run checkpointed): nobody to tell
+        pass
     finally:
         conn.close()
+
+
+# What a run's process imports anyway, imported once by the fork server that starts every run
+# process (`_run_context`): a spawned child spent seconds on these imports per run.
+PRELOAD = ("torch", "transformers", "ftis.study.engine", "ftis.train.node")
+
+
+def _run_context():
+    """The multiprocessing context `--jobs N` starts runs with: a fork server that has imported
+    `PRELOAD` once (no torch thread pool or CUDA started in it), so that each run's process is
+    forked from it ready to run, instead of a spawned interpreter importing torch and
+    transformers for every run; each run's process is still new (nothing carries from one run to
+    the next). Where there is no fork server (Windows), spawned interpreters."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
 
 
 def _run_parallel(
     todo: list[tuple[RunSpec, str]], out_dir: Path, execute: ExecuteHook, jobs: int, sweep: _Sweep
 ) -> None:
-    """Runs in `jobs` slots, each in a fresh spawned process of its own (no state carries from
-    one run to the next, and a run whose process dies, killed or crashed, fails alone), started
+    """Runs in `jobs` slots, each in a new process of its own (`_run_context`; no state carries
+    from one run to the next, and a run whose process dies, killed or crashed, fails alone), started
     in the sweep's order as their slots free up: a run takes one slot per process that computes
     at once (`slots_of`), so that a 2-node run on 2 slots runs alone instead of three processes
     sharing two cores (its nodes wait for each other every step: a descheduled node stalls
     both)."""
-    import multiprocessing
     from multiprocessing.connection import wait
 
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _run_context()
     # sentinel -> (process, pipe end, run id, slots)
     running: dict[Any, tuple[Any, Any, str, int]] = {}
     queue = list(todo)
+
+    def on_sigterm(signum, frame):
+        # SIGTERM to the sweep alone (a scheduler, `kill`): the runs in flight get it too (each
+        # checkpoints and stops, as under Ctrl-C), then the sweep stops as under Ctrl-C
+        for proc, *_ in list(running.values()):
+            with contextlib.suppress(OSError):
+                os.kill(proc.pid, signal.SIGTERM)
+        raise KeyboardInterrupt
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main else None
     try:
         while queue or running:
             while queue and slots_of(queue[0][0], jobs) <= jobs - sum(
@@ -354,12 +391,16 @@ def _run_parallel(
             if running:
                 sweep.started([r[2] for r in running.values()])
     except KeyboardInterrupt:
-        # the children got the same Ctrl-C (one process group) and stop their runs themselves
+        # the children got the same Ctrl-C (one process group), or the SIGTERM forwarded
+        # above, and stop their runs themselves
         for proc, *_ in running.values():
             proc.join(timeout=60)
             if proc.is_alive():
                 proc.terminate()
         raise
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 # What a run's results depend on in the checkout: the code, the study files and the configs
