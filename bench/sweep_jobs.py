@@ -230,6 +230,7 @@ def _ceiling_lines(r: dict) -> list[str]:
         f"**{r['ceiling']:.2f}x** here, of which it reached "
         f"{r['speedup'] / r['ceiling'] * 100:.0f}%.",
         "",
+        *_own_floor_lines(r, one, two),
         "| run | slots | `--jobs 1` (s) | `--jobs 2` (s) |",
         "|---|---|---|---|",
         *(
@@ -237,6 +238,26 @@ def _ceiling_lines(r: dict) -> list[str]:
             f"{per2.get(i, float('nan')):.1f} |"
             for i in r["runs"]
         ),
+        "",
+    ]
+
+
+def _own_floor_lines(r: dict, one: list[str], two: list[str]) -> list[str]:
+    """The same floor from the `--jobs 2` side's own run times: how close its packing came,
+    whatever made its runs faster or slower than under `--jobs 1`."""
+    per1, per2, c = r["seconds_jobs1"], r["seconds_jobs2"], r["capacity"]["c"]
+    one1, one2 = sum(per1.get(i, 0) for i in one), sum(per2.get(i, 0) for i in one)
+    two1, two2 = sum(per1.get(i, 0) for i in two), sum(per2.get(i, 0) for i in two)
+    if not (one1 and one2):
+        return []
+    floor2 = one2 / c + two2
+    return [
+        f"The `--jobs 2` side's own runs took {one2:.0f} s (one-slot) and {two2:.0f} s "
+        f"(two-slot), {(one2 / one1 - 1) * 100:+.0f}% and "
+        f"{((two2 / two1 - 1) * 100) if two1 else 0:+.0f}% against the same runs under `--jobs 1` "
+        "(there, one after another in one long-lived process; here, each in a new process): "
+        f"packed perfectly they fit in {floor2:.0f} s, and the sweep took "
+        f"{r['jobs2_s'] / floor2 * 100:.0f}% of that.",
         "",
     ]
 
