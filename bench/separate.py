@@ -49,7 +49,11 @@ def _jobs(r: dict) -> list[tuple[str, str, str]]:
             f"`ftis sweep --jobs 2` speed-up over `--jobs 1`, first {len(r['runs'])} runs of "
             f"`{r['study']}` ({same})",
             f"{r['speedup']:.2f}x"
-            + (f" (at most {r['ceiling']:.2f}x here)" if "ceiling" in r else ""),
+            + (
+                f" (ceiling estimated from `--jobs 1`'s run times: {r['ceiling']:.2f}x)"
+                if "ceiling" in r
+                else ""
+            ),
             ">= 1.6x, identical",
         )
     ]

@@ -226,8 +226,8 @@ def _ceiling_lines(r: dict) -> list[str]:
         f"one-thread runs at c = {cap['c']:.2f}x the speed of one. The `--jobs 1` side's "
         f"{len(one)} one-slot runs took {sum(per1.get(i, 0) for i in one):.0f} s and its "
         f"{len(two)} two-slot runs {sum(per1.get(i, 0) for i in two):.0f} s, so `--jobs 2` can "
-        f"take no less than {r['floor_s']:.0f} s: a speed-up of at most "
-        f"**{r['ceiling']:.2f}x** here, of which it reached "
+        f"take no less than {r['floor_s']:.0f} s if its runs take as long as there: a ceiling "
+        f"of **{r['ceiling']:.2f}x** here, of which it reached "
         f"{r['speedup'] / r['ceiling'] * 100:.0f}%.",
         "",
         *_own_floor_lines(r, one, two),
