@@ -323,10 +323,12 @@ def _run_context():
     `PRELOAD` once (no torch thread pool or CUDA started in it), so that each run's process is
     forked from it ready to run, instead of a spawned interpreter importing torch and
     transformers for every run; each run's process is still new (nothing carries from one run to
-    the next). Where there is no fork server (Windows), spawned interpreters."""
+    the next). Off Linux, spawned interpreters: Windows has no fork server, and on macOS a
+    process forked after importing torch's native libraries is not safe."""
     import multiprocessing
+    import sys
 
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    if not sys.platform.startswith("linux"):
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
