@@ -29,6 +29,9 @@ def _config(tmp_path: Path, steps: int = STEPS, **exchange) -> Path:
         {"name": n, "model": {"preset": "llama-xs"}, "warm_start": None} for n in NODES
     ]
     data["eval"]["every"] = 0
+    # random-init nodes get no training signal: without this they would stop by themselves
+    # after 20 signal-less steps, which on a slow machine can come before the test's signal
+    data["train"]["max_steps_without_signal"] = 0
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
