@@ -115,6 +115,14 @@ class StopSignals:
         return _handlers(self)
 
 
+def on_signals(
+    handler: Callable, signals: Iterable[int]
+) -> contextlib.AbstractContextManager[None]:
+    """`handler` for `signals` (unless ignored) until exit, in the main thread only (elsewhere a
+    no-op); the previous handlers afterwards."""
+    return _handlers(handler, tuple(signals))
+
+
 def _raise_interrupt(signum: int, frame=None) -> None:
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 

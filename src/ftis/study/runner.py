@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from rich.progress import Progress
 from ftis import rundir
 from ftis.config import RunConfig
 from ftis.launch.progress import progress_columns
+from ftis.launch.stop import on_signals
 from ftis.study.spec import RunSpec, Study
 from ftis.train.metrics import read_metrics
 
@@ -359,50 +359,48 @@ def _run_parallel(
                 os.kill(proc.pid, signal.SIGTERM)
         raise KeyboardInterrupt
 
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, on_sigterm) if main else None
-    try:
-        while queue or running:
-            while queue and slots_of(queue[0][0], jobs) <= jobs - sum(
-                r[3] for r in running.values()
-            ):
-                run, state = queue.pop(0)
-                slots = slots_of(run, jobs)
-                threads = threads_per_node(jobs, busy_of(run), slots=slots)
-                recv, send = ctx.Pipe(duplex=False)
-                proc = ctx.Process(
-                    target=_child_main,
-                    args=(send, execute, run, out_dir / run.id, state, threads),
-                    name=f"ftis-sweep-{run.id}",
-                )
-                proc.start()
-                send.close()
-                running[proc.sentinel] = (proc, recv, run.id, slots)
-                sweep.started([r[2] for r in running.values()])
-            for sentinel in wait(list(running)):
-                proc, recv, run_id, _ = running.pop(sentinel)
-                proc.join()
-                outcome = recv.recv() if recv.poll() else None
-                recv.close()
-                if outcome is None:
-                    sweep.finished(run_id, error=f"its process died (exit code {proc.exitcode})")
-                elif outcome[0] == "ok":
-                    sweep.finished(run_id, seconds=outcome[1])
-                else:
-                    sweep.finished(run_id, error=outcome[1])
-            if running:
-                sweep.started([r[2] for r in running.values()])
-    except KeyboardInterrupt:
-        # the children got the same Ctrl-C (one process group), or the SIGTERM forwarded
-        # above, and stop their runs themselves
-        for proc, *_ in running.values():
-            proc.join(timeout=60)
-            if proc.is_alive():
-                proc.terminate()
-        raise
-    finally:
-        if main:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+    with on_signals(on_sigterm, (signal.SIGTERM,)):
+        try:
+            while queue or running:
+                while queue and slots_of(queue[0][0], jobs) <= jobs - sum(
+                    r[3] for r in running.values()
+                ):
+                    run, state = queue.pop(0)
+                    slots = slots_of(run, jobs)
+                    threads = threads_per_node(jobs, busy_of(run), slots=slots)
+                    recv, send = ctx.Pipe(duplex=False)
+                    proc = ctx.Process(
+                        target=_child_main,
+                        args=(send, execute, run, out_dir / run.id, state, threads),
+                        name=f"ftis-sweep-{run.id}",
+                    )
+                    proc.start()
+                    send.close()
+                    running[proc.sentinel] = (proc, recv, run.id, slots)
+                    sweep.started([r[2] for r in running.values()])
+                for sentinel in wait(list(running)):
+                    proc, recv, run_id, _ = running.pop(sentinel)
+                    proc.join()
+                    outcome = recv.recv() if recv.poll() else None
+                    recv.close()
+                    if outcome is None:
+                        sweep.finished(
+                            run_id, error=f"its process died (exit code {proc.exitcode})"
+                        )
+                    elif outcome[0] == "ok":
+                        sweep.finished(run_id, seconds=outcome[1])
+                    else:
+                        sweep.finished(run_id, error=outcome[1])
+                if running:
+                    sweep.started([r[2] for r in running.values()])
+        except KeyboardInterrupt:
+            # the children got the same Ctrl-C (one process group), or the SIGTERM forwarded
+            # above, and stop their runs themselves
+            for proc, *_ in running.values():
+                proc.join(timeout=60)
+                if proc.is_alive():
+                    proc.terminate()
+            raise
 
 
 # What a run's results depend on in the checkout: the code, the study files and the configs
