@@ -4,7 +4,7 @@ items 2 and 6): each study file whose `out:` folder is in the repository is rend
 temporary folder (the copy carries the hand-written reading; plots go there too), and the text
 must equal the committed document's.
 
-Nine documents take about 20 s together on one CPU core and are checked in the default suite;
+Nine documents take about 15 s together on one CPU core and are checked in the default suite;
 collab.md (about a minute of bootstraps), RESULTS.md (about 20 s), RESULTS-arithmetic.md (about
 15 s) and fgrpo.md are in the long tier (`python -m pytest -m long`, which CI runs after the
 default suite). Studies whose runs are not committed (paper-gpu, which needs GPUs; groups, not
