@@ -82,18 +82,18 @@ class CollabData:
 
     def final(self, run: NodeRun, split: str) -> tuple[int, np.ndarray] | None:
         """(last evaluated step, (P,) outcomes there) of a node on a split, or None."""
-        o = self._cache.outcomes(run.run_dir).get(run.node, {}).get(split)
-        if o is None or len(o.steps) == 0:
-            return None
-        return int(o.steps[-1]), o.correct[-1].astype(np.float64)
+        return self._evaluation(run, split, -1)
 
     def first(self, run: NodeRun, split: str) -> tuple[int, np.ndarray] | None:
         """(first evaluated step, (P,) outcomes there) of a node on a split, or None: step 0,
         or a swarm's late joiner's first evaluation."""
+        return self._evaluation(run, split, 0)
+
+    def _evaluation(self, run: NodeRun, split: str, i: int) -> tuple[int, np.ndarray] | None:
         o = self._cache.outcomes(run.run_dir).get(run.node, {}).get(split)
         if o is None or len(o.steps) == 0:
             return None
-        return int(o.steps[0]), o.correct[0].astype(np.float64)
+        return int(o.steps[i]), o.correct[i].astype(np.float64)
 
     def at_step(self, run: NodeRun, split: str, step: int) -> np.ndarray | None:
         o = self._cache.outcomes(run.run_dir).get(run.node, {}).get(split)
