@@ -487,3 +487,53 @@ def test_change_section_is_absent_without_two_evaluations(tmp_path: Path) -> Non
     row = {"step": 0, "node": "a", "split": "test", "n": 8, "correct": encode_outcomes([1] * 8)}
     (run / "evals.jsonl").write_text(json.dumps(row) + "\n")
     assert "Change over the run" not in write_report(run).read_text()
+
+
+# ------------------------------------------------------------------ ftis compare: paired finals
+
+
+def _evals_run(path: Path, task: dict, finals: dict[str, list[int]], step: int = 40) -> Path:
+    """A run directory with config.yaml's task and each node's step-0 and last evaluation."""
+    import yaml
+
+    from ftis.train.metrics import encode_outcomes
+
+    path.mkdir()
+    (path / "config.yaml").write_text(yaml.safe_dump({"name": path.name, "task": task}))
+    rows = [
+        {"step": s, "node": node, "split": "test", "n": len(bits), "correct": encode_outcomes(b)}
+        for node, bits in finals.items()
+        for s, b in ((0, [0] * len(bits)), (step, bits))
+    ]
+    (path / "evals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_compare_pairs_last_evaluations_by_problem_for_nodes_of_one_name(tmp_path: Path) -> None:
+    from ftis.report import paired_final_rows
+
+    task = {"kind": "arithmetic", "seed": 0}
+    n = 200
+    group = _evals_run(
+        tmp_path / "group", task, {"a": [1] * 80 + [0] * 120, "b": [1] * 41 + [0] * 159}
+    )
+    alone = _evals_run(tmp_path / "alone", task, {"a": [1] * 20 + [0] * 180}, step=30)
+    header, rows, why = paired_final_rows(group, alone)
+    assert why == "" and [r[0] for r in rows] == ["a"]  # b is in one run only
+    node, split, steps, problems, cells, reading = rows[0]
+    assert (split, steps, problems, reading) == ("test", "40 vs 30", str(n), "higher")
+    assert cells.startswith("+30.0 [")
+    # the same problems the other way round, and a difference within what 200 problems resolve
+    _, rows, _ = paired_final_rows(alone, group)
+    assert rows[0][4].startswith("−30.0 [") and rows[0][5] == "lower"
+    close = _evals_run(tmp_path / "close", task, {"a": [1] * 79 + [0] * 121})
+    assert paired_final_rows(group, close)[1][0][5] == "no difference detected"
+
+
+def test_compare_refuses_to_pair_runs_of_different_tasks(tmp_path: Path) -> None:
+    from ftis.report import paired_final_rows
+
+    a = _evals_run(tmp_path / "a", {"kind": "arithmetic", "seed": 0}, {"x": [1] * 10})
+    b = _evals_run(tmp_path / "b", {"kind": "arithmetic", "seed": 1}, {"x": [0] * 10})
+    _, rows, why = paired_final_rows(a, b)
+    assert rows == [] and "tasks differ" in why

@@ -413,14 +413,23 @@ def compare(
     run_dirs: Annotated[list[Path], typer.Argument(help="Two or more run directories.")],
     out: Annotated[Path, typer.Option("--out", help="Output PNG.")] = Path("compare.png"),
 ) -> None:
-    """Overlay the accuracy curves of several runs in one plot and print their summaries."""
+    """Overlay the accuracy curves of several runs in one plot and print their summaries, then
+    the first run's last evaluation minus each other run's, per node of the same name and split,
+    paired by problem with a 95% interval (runs of the same task only)."""
     _setup_logging(False)
-    from ftis.report import ReportError, compare_runs, load_rows, summary_table
+    from ftis.report import ReportError, compare_runs, load_rows, paired_final_rows, summary_table
 
     try:
         for d in run_dirs:
             header, body = summary_table(load_rows(d))
             _print_table(header, body, title=str(d))
+        for other in run_dirs[1:]:
+            title = f"{run_dirs[0]} minus {other}, last evaluations, paired by problem"
+            header, body, why = paired_final_rows(run_dirs[0], other)
+            if body:
+                _print_table(header, body, title=title)
+            else:
+                console.print(f"{title}: none ({why})")
         compare_runs(run_dirs, out)
     except ReportError as e:
         _fail(str(e))

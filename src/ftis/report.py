@@ -613,6 +613,57 @@ def _algorithm_section(rows: list[dict[str, Any]], run_dir: Path) -> list[str]:
     return spec.report_section(rows, run_dir)
 
 
+def _run_task(run_dir: Path) -> dict | None:
+    """The task section of RUN_DIR/config.yaml (None when the run has no readable config)."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return None
+    return cfg.get("task") if isinstance(cfg, dict) else None
+
+
+def paired_final_rows(reference: Path, other: Path) -> tuple[list[str], list[list[str]], str]:
+    """REFERENCE's last evaluation minus OTHER's, per node present in both (by name) and split,
+    paired by problem: (header, rows, why-empty). Pairing needs the same problems, so the two
+    runs' task sections must be equal (then a split of one name is the same problems in both);
+    otherwise no row, and the third value says why. The interval is a bootstrap over problems
+    (one seed each), as in change_section."""
+    from ftis.study.stats import paired_difference, read_evals
+    from ftis.study.tables import is_bold
+
+    header = ["node", "split", "steps", "problems", "difference (points) [95% interval]", "reading"]
+    task_a, task_b = _run_task(reference), _run_task(other)
+    if task_a is None or task_b is None or task_a != task_b:
+        return header, [], "their tasks differ (config.yaml), so their problems cannot be paired"
+    try:
+        evals_a, evals_b = read_evals(reference), read_evals(other)
+    except (FileNotFoundError, ValueError) as e:
+        return header, [], f"no per-problem evaluations to pair ({e})"
+    body = []
+    for node in (n for n in evals_a if n in evals_b):
+        for split in (s for s in evals_a[node] if s in evals_b[node]):
+            a, b = evals_a[node][split], evals_b[node][split]
+            if a.correct.shape[1] != b.correct.shape[1]:
+                continue  # different eval.size: not the same problems
+            d = paired_difference({0: a.correct[-1]}, {0: b.correct[-1]})
+            word = "no difference detected"
+            if is_bold(d):
+                word = {"better": "higher", "worse": "lower"}.get(d.verdict(), word)
+            body.append(
+                [
+                    node,
+                    split,
+                    f"{int(a.steps[-1])} vs {int(b.steps[-1])}",
+                    str(d.problems),
+                    d.cells(),
+                    word,
+                ]
+            )
+    return header, body, "" if body else "no node and split evaluated on the same problems in both"
+
+
 def compare_runs(run_dirs: list[Path], out: Path) -> Path:
     """Overlay several runs' accuracy curves in one PNG (one panel per eval split)."""
     all_rows = {Path(d).name: load_rows(Path(d)) for d in run_dirs}
