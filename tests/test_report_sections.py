@@ -518,9 +518,9 @@ def test_compare_pairs_last_evaluations_by_problem_for_nodes_of_one_name(tmp_pat
         tmp_path / "group", task, {"a": [1] * 80 + [0] * 120, "b": [1] * 41 + [0] * 159}
     )
     alone = _evals_run(tmp_path / "alone", task, {"a": [1] * 20 + [0] * 180}, step=30)
-    header, rows, why = paired_final_rows(group, alone)
+    _header, rows, why = paired_final_rows(group, alone)
     assert why == "" and [r[0] for r in rows] == ["a"]  # b is in one run only
-    node, split, steps, problems, cells, reading = rows[0]
+    _node, split, steps, problems, cells, reading = rows[0]
     assert (split, steps, problems, reading) == ("test", "40 vs 30", str(n), "higher")
     assert cells.startswith("+30.0 [")
     # the same problems the other way round, and a difference within what 200 problems resolve
