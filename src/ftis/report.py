@@ -389,6 +389,14 @@ def write_report(run_dir: Path) -> Path:
     return path
 
 
+def _verdict_word(d, up: str, down: str, neither: str) -> str:
+    """UP or DOWN only where the paired difference D's interval excludes zero (the one bold rule,
+    ftis.study.tables.is_bold), else NEITHER."""
+    from ftis.study.tables import is_bold
+
+    return {"better": up, "worse": down}.get(d.verdict(), neither) if is_bold(d) else neither
+
+
 def change_section(run_dir: Path) -> list[str]:
     """Did each node improve? Its last evaluation against its first, paired by problem (the same
     problems at every step, from evals.jsonl): the change in points with a 95% bootstrap
@@ -409,9 +417,7 @@ def change_section(run_dir: Path) -> list[str]:
                 continue
             first, last = int(outcomes.steps[0]), int(outcomes.steps[-1])
             d = paired_difference({0: outcomes.correct[-1]}, {0: outcomes.correct[0]})
-            word = "no change detected"
-            if is_bold(d):  # the one bold rule (ftis.study.tables): an interval excluding 0
-                word = {"better": "improved", "worse": "worse"}.get(d.verdict(), word)
+            word = _verdict_word(d, "improved", "worse", "no change detected")
             body.append(
                 [
                     node,
@@ -631,7 +637,6 @@ def paired_final_rows(reference: Path, other: Path) -> tuple[list[str], list[lis
     otherwise no row, and the third value says why. The interval is a bootstrap over problems
     (one seed each), as in change_section."""
     from ftis.study.stats import paired_difference, read_evals
-    from ftis.study.tables import is_bold
 
     header = ["node", "split", "steps", "problems", "difference (points) [95% interval]", "reading"]
     task_a, task_b = _run_task(reference), _run_task(other)
@@ -648,9 +653,7 @@ def paired_final_rows(reference: Path, other: Path) -> tuple[list[str], list[lis
             if a.correct.shape[1] != b.correct.shape[1]:
                 continue  # different eval.size: not the same problems
             d = paired_difference({0: a.correct[-1]}, {0: b.correct[-1]})
-            word = "no difference detected"
-            if is_bold(d):
-                word = {"better": "higher", "worse": "lower"}.get(d.verdict(), word)
+            word = _verdict_word(d, "higher", "lower", "no difference detected")
             body.append(
                 [
                     node,
