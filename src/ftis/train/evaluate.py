@@ -4,14 +4,24 @@ Besides its metrics, an evaluation has per-problem greedy outcomes and a few sam
 per split (`evaluate_detailed`). `evaluate` returns the metrics only and hands the rest to the
 collector the node shell installs around an algorithm's evaluation (`collect_outcomes`), which
 writes them to evals.jsonl and samples.jsonl: every algorithm that calls `evaluate` gets them.
+
+Within a `greedy_cache()` block (the node shell's evaluation before training), greedy
+completions are read from, or written to, an on-disk cache keyed by everything they depend on
+(:func:`greedy_key`): a sweep evaluates the same base model before every method and seed, and
+only the first run pays for it. Rewards are always computed afresh from the completions.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
+import json
+import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -23,6 +33,8 @@ from ftis.rewards.runtime import task_rewards
 from ftis.rollout.sampler import sample
 from ftis.tasks.base import Task
 from ftis.train.node import Node
+
+log = logging.getLogger(__name__)
 
 
 def answer_extractor(task: Task) -> Callable[[str], str | None] | None:
@@ -62,20 +74,27 @@ def _samples(
     per_batch = max(1, batch_size // num_samples)
     out = []
     answers: list[str | None] = []
+    cached = None
+    if num_samples == 1 and temperature == 0 and _GREEDY_CACHE.get() is not None:
+        cached = _cached_greedy(node, task, problems, max_new_tokens, per_batch)
     for start in range(0, len(problems), per_batch):
         chunk = problems[start : start + per_batch]
-        s = sample(
-            node.model,
-            [task.prompt_ids(p, tok) for p in chunk],
-            num_samples=num_samples,
-            max_new_tokens=max_new_tokens,
-            eos_id=tok.eos_token_id,
-            pad_id=tok.pad_token_id,
-            temperature=temperature,
-            generator=generator,
-            compute_dtype=node_compute_dtype(node),
-        )
-        texts = decode_for_reward(tok, s.completion_ids, s.lengths)
+        if cached is not None:
+            ids, lengths = _padded(cached[start : start + per_batch], tok.pad_token_id)
+        else:
+            s = sample(
+                node.model,
+                [task.prompt_ids(p, tok) for p in chunk],
+                num_samples=num_samples,
+                max_new_tokens=max_new_tokens,
+                eos_id=tok.eos_token_id,
+                pad_id=tok.pad_token_id,
+                temperature=temperature,
+                generator=generator,
+                compute_dtype=node_compute_dtype(node),
+            )
+            ids, lengths = s.completion_ids, s.lengths
+        texts = decode_for_reward(tok, ids, lengths)
         if texts_out is not None:
             texts_out += texts
         out += task_rewards(task, [chunk[j // num_samples] for j in range(len(texts))], texts)
@@ -86,6 +105,153 @@ def _samples(
         return rewards, None
     rows = [answers[i * num_samples : (i + 1) * num_samples] for i in range(len(problems))]
     return rewards, rows
+
+
+# --- the greedy-evaluation cache ---------------------------------------------------------------
+
+# Bump when greedy generation changes in a way that changes its tokens.
+GREEDY_CACHE_VERSION = 1
+
+# None: off; else the block's digests of the weights, by id(model) (fixed within the block)
+_GREEDY_CACHE: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar(
+    "ftis_greedy_cache", default=None
+)
+
+
+@contextlib.contextmanager
+def greedy_cache(enabled: bool = True) -> Iterator[None]:
+    """Within the block (in this thread), `evaluate`'s greedy completions come from the on-disk
+    cache when an earlier evaluation of the same weights on the same prompts with the same
+    settings made them here, and are stored there otherwise. The weights must not change within
+    the block (they are hashed once). FTIS_EVAL_CACHE=0 turns it off."""
+    on = enabled and os.environ.get("FTIS_EVAL_CACHE", "1") != "0"
+    token = _GREEDY_CACHE.set({} if on else None)
+    try:
+        yield
+    finally:
+        _GREEDY_CACHE.reset(token)
+
+
+def greedy_cache_dir() -> Path:
+    """``$FTIS_CACHE/evals`` (default ``~/.cache/ftis/evals``)."""
+    return Path(os.environ.get("FTIS_CACHE", Path.home() / ".cache" / "ftis")) / "evals"
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """blake2b of every tensor of the model's state dict (name, dtype, shape and bytes) and of
+    its config, when it has one: equal only for models that compute the same function."""
+    h = hashlib.blake2b(digest_size=32)
+    config = getattr(model, "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    h.update(type(model).__name__.encode())
+    if callable(to_json):
+        h.update(to_json(use_diff=False).encode())
+    for name, t in model.state_dict().items():
+        t = t.detach().to("cpu").contiguous().reshape(-1)
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def greedy_key(
+    node: Node, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int
+) -> str:
+    """The cache key of greedy completions: the weights (:func:`weights_digest`), the prompts'
+    ids in order, the generation settings (max_new_tokens, batching, EOS and padding ids, the
+    compute dtype), and what picks the kernels (torch's version, its CPU instruction set and
+    thread count, the device): floating-point results may differ where any of them does."""
+    model = node.model
+    device = next(model.parameters()).device
+    memo = _GREEDY_CACHE.get()
+    if memo is None:
+        digest = weights_digest(model)
+    elif id(model) in memo:
+        digest = memo[id(model)]
+    else:
+        digest = memo[id(model)] = weights_digest(model)
+    setting = {
+        "v": GREEDY_CACHE_VERSION,
+        "weights": digest,
+        "max_new_tokens": max_new_tokens,
+        "batch_size": batch_size,
+        "eos": node.tokenizer.eos_token_id,
+        "pad": node.tokenizer.pad_token_id,
+        "dtype": str(node_compute_dtype(node)),
+        "torch": torch.__version__,
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+    }
+    h = hashlib.blake2b(json.dumps(setting, sort_keys=True).encode(), digest_size=32)
+    for p in prompts:
+        h.update(json.dumps(list(p)).encode())
+    return h.hexdigest()
+
+
+def _read_entry(path: Path, n: int, max_new_tokens: int) -> list[list[int]] | None:
+    """The completions stored at `path`, or None when it is absent or not `n` rows of at most
+    `max_new_tokens` integer ids (a damaged entry is regenerated, never trusted)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    rows = data.get("rows") if isinstance(data, dict) else None
+    if not isinstance(rows, list) or len(rows) != n:
+        return None
+    for row in rows:
+        if not (
+            isinstance(row, list)
+            and len(row) <= max_new_tokens
+            and all(type(t) is int and t >= 0 for t in row)
+        ):
+            return None
+    return rows
+
+
+def _cached_greedy(
+    node: Node, task: Task, problems, max_new_tokens: int, batch_size: int
+) -> list[list[int]]:
+    """Every problem's greedy completion ids (its real tokens, EOS included), from the cache or
+    generated `batch_size` prompts at a time exactly as an uncached evaluation does."""
+    tok = node.tokenizer
+    prompts = [task.prompt_ids(p, tok) for p in problems]
+    key = greedy_key(node, prompts, max_new_tokens, batch_size)
+    path = greedy_cache_dir() / key[:2] / f"{key}.json"
+    rows = _read_entry(path, len(prompts), max_new_tokens)
+    if rows is not None:
+        log.debug("greedy evaluation of %d prompts read from %s", len(prompts), path)
+        return rows
+    rows = []
+    for start in range(0, len(prompts), batch_size):
+        s = sample(
+            node.model,
+            prompts[start : start + batch_size],
+            num_samples=1,
+            max_new_tokens=max_new_tokens,
+            eos_id=tok.eos_token_id,
+            pad_id=tok.pad_token_id,
+            temperature=0.0,
+            compute_dtype=node_compute_dtype(node),
+        )
+        rows += [r[:n].tolist() for r, n in zip(s.completion_ids, s.lengths.tolist())]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"version": GREEDY_CACHE_VERSION, "rows": rows}))
+        tmp.replace(path)
+    except OSError as e:  # a full or read-only cache costs the next run time, nothing else
+        log.warning("could not store a greedy evaluation in %s: %s", path.parent, e)
+    return rows
+
+
+def _padded(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, lengths): `rows` right-padded with `pad_id` into one (len(rows), T) tensor."""
+    width = max([len(r) for r in rows] + [1])
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return ids, torch.tensor([len(r) for r in rows], dtype=torch.long)
 
 
 SAMPLES_PER_SPLIT = 3  # greedy completions of a split's first problems kept for samples.jsonl

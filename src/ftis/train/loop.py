@@ -35,7 +35,7 @@ from ftis.plugins import get_algorithm
 from ftis.tasks import build_task
 from ftis.train.checkpoint import load_latest_checkpoint, save_checkpoint
 from ftis.train.context import NodeContext
-from ftis.train.evaluate import collect_outcomes
+from ftis.train.evaluate import collect_outcomes, greedy_cache
 from ftis.train.metrics import EvalLogger, MetricLogger
 from ftis.train.node import build_node
 from ftis.train.seeds import node_seed
@@ -179,8 +179,8 @@ def train_node(
     logger = MetricLogger.for_run(cfg, run_dir, node.name)
     eval_logger = EvalLogger(run_dir, node.name)
 
-    def run_eval(step: int) -> dict[str, float]:
-        with timer("eval"), collect_outcomes() as outcomes:
+    def run_eval(step: int, *, cached: bool = False) -> dict[str, float]:
+        with timer("eval"), collect_outcomes() as outcomes, greedy_cache(cached):
             metrics = algo.evaluate(step)
         eval_logger.log(step, outcomes)
         return metrics
@@ -198,7 +198,8 @@ def train_node(
     last_eval: dict[str, float] = {}
     first_eval: dict[str, float] = {}
     if start == 0 or found is None:  # before training (at the join step for a late joiner)
-        first_eval = last_eval = run_eval(start)
+        # the weights the run starts from: a sweep's other runs often start from them too
+        first_eval = last_eval = run_eval(start, cached=True)
         logger.log(
             start,
             {**first_eval, **timer.pop(), "time/setup": setup_seconds, **_reward_stats(task)},
