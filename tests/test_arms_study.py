@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
@@ -273,6 +274,7 @@ def test_tiny_arms_sweep_through_the_cli(tmp_path):
     assert rows[-1]["step"] == 2 and rows[-1]["train/forward_tokens_total"] > 0
     meta = json.loads((tmp_path / "out/gd-s0/study-run.json").read_text())
     assert meta["arm"] == "gd" and meta["status"] == "done"
+    assert meta["machine"]["cpu"] == torch.backends.cpu.get_cpu_capability()
     assert "| gd-s0 | gd | 0 |" in (tmp_path / "tiny.md").read_text()
     res = runner.invoke(app, ["sweep", str(path), "--dry-run"])
     assert res.exit_code == 0 and "done" in res.output

@@ -115,13 +115,28 @@ def execute_run(run: RunSpec, run_dir: Path, *, console: Console | None = None) 
     (run_dir / "config.yaml").write_text(
         yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
     )
-    meta = {**run.meta(), "status": "running", "started": time.time(), "code": code_version()}
+    meta = {
+        **run.meta(),
+        "status": "running",
+        "started": time.time(),
+        "code": code_version(),
+        "machine": machine_kernels(),
+    }
     _write_json(run_dir / RUN_META, meta)
     t0 = time.perf_counter()
     run_local(cfg, run_dir, console=console)
     seconds = time.perf_counter() - t0
     _write_json(run_dir / RUN_META, {**meta, "status": "done", "seconds": seconds})
     return seconds
+
+
+def machine_kernels() -> dict[str, str]:
+    """What decides a float32 run's last bits on this machine besides the code: torch's version
+    and the CPU instruction set its kernels use (ATEN_CPU_CAPABILITY forces one). Recorded with
+    each run, so that a study made on several machines says which runs came from which."""
+    import torch
+
+    return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability()}
 
 
 def _fmt_s(s: float) -> str:
