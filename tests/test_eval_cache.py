@@ -78,6 +78,11 @@ def test_what_changes_the_completions_changes_the_key(cache):
         assert ev.greedy_key(node, prompts, 6, 5) != key
     finally:
         torch.set_num_threads(threads)
+    eps = node.model.config.rms_norm_eps
+    node.model.config.rms_norm_eps = eps * 2  # the same weights, another function
+    assert ev.greedy_key(node, prompts, 6, 5) != key
+    node.model.config.rms_norm_eps = eps
+    assert ev.greedy_key(node, prompts, 6, 5) == key
     with torch.no_grad():
         p = next(node.model.parameters())
         flat = p.view(-1)

@@ -140,12 +140,13 @@ def greedy_cache_dir() -> Path:
 def weights_digest(model: torch.nn.Module) -> str:
     """blake2b of every tensor of the model's state dict (name, dtype, shape and bytes) and of
     its config, when it has one: equal only for models that compute the same function."""
+    from transformers import PretrainedConfig
+
     h = hashlib.blake2b(digest_size=32)
     config = getattr(model, "config", None)
-    to_json = getattr(config, "to_json_string", None)
     h.update(type(model).__name__.encode())
-    if callable(to_json):
-        h.update(to_json(use_diff=False).encode())
+    if isinstance(config, PretrainedConfig):
+        h.update(config.to_json_string(use_diff=False).encode())
     for name, t in model.state_dict().items():
         t = t.detach().to("cpu").contiguous().reshape(-1)
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
