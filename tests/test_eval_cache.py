@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+import ftis.rollout.sampler as sampler_mod
 from ftis.config import EvalConfig, TrainConfig
 from ftis.tasks import ReasoningTask
 from ftis.train import evaluate as ev
@@ -37,6 +38,7 @@ def greedy_calls(monkeypatch):
         return real(model, prompts, **kw)
 
     monkeypatch.setattr(ev, "sample", counting)
+    monkeypatch.setattr(sampler_mod, "sample", counting)  # greedy_samples' own
     return calls
 
 

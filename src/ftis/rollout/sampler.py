@@ -161,8 +161,10 @@ def greedy_samples(
     *,
     max_new_tokens: int,
     batch_size: int,
+    compute_dtype: torch.dtype | None = None,
 ) -> Iterator[Samples]:
-    """One greedy (temperature 0) completion of every prompt, `batch_size` prompts at a time."""
+    """One greedy (temperature 0) completion of every prompt, `batch_size` prompts at a time
+    (`compute_dtype` as for :func:`sample`)."""
     for start in range(0, len(prompts), batch_size):
         yield sample(
             model,
@@ -172,6 +174,7 @@ def greedy_samples(
             eos_id=tokenizer.eos_token_id,
             pad_id=tokenizer.pad_token_id,
             temperature=0.0,
+            compute_dtype=compute_dtype,
         )
 
 

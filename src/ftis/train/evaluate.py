@@ -30,7 +30,7 @@ from ftis.core.passk import pass_at_k
 from ftis.models.precision import node_compute_dtype
 from ftis.rewards.decode import decode_for_reward
 from ftis.rewards.runtime import task_rewards
-from ftis.rollout.sampler import sample
+from ftis.rollout.sampler import greedy_samples, sample
 from ftis.tasks.base import Task
 from ftis.train.node import Node
 
@@ -224,17 +224,15 @@ def _cached_greedy(
         log.debug("greedy evaluation of %d prompts read from %s", len(prompts), path)
         return rows
     rows = []
-    for start in range(0, len(prompts), batch_size):
-        s = sample(
-            node.model,
-            prompts[start : start + batch_size],
-            num_samples=1,
-            max_new_tokens=max_new_tokens,
-            eos_id=tok.eos_token_id,
-            pad_id=tok.pad_token_id,
-            temperature=0.0,
-            compute_dtype=node_compute_dtype(node),
-        )
+    dtype = node_compute_dtype(node)
+    for s in greedy_samples(
+        node.model,
+        prompts,
+        tok,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        compute_dtype=dtype,
+    ):
         rows += [r[:n].tolist() for r, n in zip(s.completion_ids, s.lengths.tolist())]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
