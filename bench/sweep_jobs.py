@@ -14,7 +14,8 @@ Each side's wall-clock time covers its whole sweep. Then the two folders are com
 run: every evaluation record (evals.jsonl, the greedy outcome of every test problem) and every
 metrics row with its timing fields left out must be equal, as sets of records (the nodes of a
 2-node run append their rows in whichever order they finish a step). Warm starts come from
-ftis's cache (the shipped bases), so neither side trains one.
+ftis's cache (the shipped bases), so neither side trains one; the evaluation cache is switched
+off (FTIS_EVAL_CACHE=0), so every side generates its own step-0 evaluations.
 
 The ceiling, measured in the same run (first): the study's first one-node run alone and then two
 copies of it at once (each `OMP_NUM_THREADS=1 ftis sweep --only` in a process of its own): the
@@ -137,6 +138,10 @@ def measure(study_path: Path, n: int) -> dict:
     slots = {r.id: slots_of(r, 2) for r in study.runs}
     single = next(r.id for r in study.runs if slots[r.id] == 1)
     env_before = os.environ.get("OMP_NUM_THREADS")
+    cache_before = os.environ.get("FTIS_EVAL_CACHE")
+    # Every side runs the same runs: with the evaluation cache on, whichever side ran second
+    # would read the first side's step-0 evaluations instead of generating them.
+    os.environ["FTIS_EVAL_CACHE"] = "0"
     with tempfile.TemporaryDirectory(prefix="ftis-sweep-jobs-") as tmp:
         tmp = Path(tmp)
         # first, so that a failure here costs minutes, not the sweeps
@@ -153,6 +158,10 @@ def measure(study_path: Path, n: int) -> dict:
         per1, per2 = _run_seconds(tmp / "jobs1", ids), _run_seconds(tmp / "jobs2", ids)
     if env_before is not None:
         os.environ["OMP_NUM_THREADS"] = env_before
+    if cache_before is None:
+        os.environ.pop("FTIS_EVAL_CACHE", None)
+    else:
+        os.environ["FTIS_EVAL_CACHE"] = cache_before
     one = sum(per1.get(i, 0.0) for i in ids if slots[i] == 1)
     two = sum(per1.get(i, 0.0) for i in ids if slots[i] > 1)
     floor = one / cap["c"] + two
