@@ -33,6 +33,7 @@ from ftis.rewards.runtime import task_rewards
 from ftis.rollout.sampler import greedy_samples, sample
 from ftis.tasks.base import Task
 from ftis.train.node import Node
+from ftis.warmstart import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ def greedy_cache(enabled: bool = True) -> Iterator[None]:
 
 def greedy_cache_dir() -> Path:
     """``$FTIS_CACHE/evals`` (default ``~/.cache/ftis/evals``)."""
-    return Path(os.environ.get("FTIS_CACHE", Path.home() / ".cache" / "ftis")) / "evals"
+    return cache_root() / "evals"
 
 
 def weights_digest(model: torch.nn.Module) -> str:
