@@ -4,8 +4,8 @@ items 2 and 6): each study file whose `out:` folder is in the repository is rend
 temporary folder (the copy carries the hand-written reading; plots go there too), and the text
 must equal the committed document's.
 
-Ten documents take about 25 s together on one CPU core and are checked in the default suite
-(groups.md, partial while its runs are being made, about 10 s of it); collab.md (about a minute
+Ten documents take about 35 s together and are checked in the default suite (groups.md, 135
+runs, about 26 s of it, bootstraps over 16 swarm peers included); collab.md (about a minute
 of bootstraps), RESULTS.md (about 20 s), RESULTS-arithmetic.md (about 15 s) and fgrpo.md are in
 the long tier (`python -m pytest -m long`, which CI runs after the default suite). A study whose
 runs are not committed (paper-gpu, which needs GPUs) cannot be checked this way."""
