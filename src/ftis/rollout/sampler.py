@@ -53,6 +53,16 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
+def right_pad(seqs, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, lengths): the sequences padded on the right into one (len(seqs), max_len) tensor
+    (width 1 when every sequence is empty, or there are none)."""
+    width = max([len(s) for s in seqs] + [1])
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return ids, torch.tensor([len(s) for s in seqs], dtype=torch.long)
+
+
 def truncate_logits(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """(N, V) `logits` with every token outside the sampling support set to -inf: the `top_k`
     largest (0 = all; ties at the k-th value broken by index), then, of the distribution

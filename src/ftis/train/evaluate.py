@@ -30,7 +30,7 @@ from ftis.core.passk import pass_at_k
 from ftis.models.precision import node_compute_dtype
 from ftis.rewards.decode import decode_for_reward
 from ftis.rewards.runtime import task_rewards
-from ftis.rollout.sampler import greedy_samples, sample
+from ftis.rollout.sampler import greedy_samples, right_pad, sample
 from ftis.tasks.base import Task
 from ftis.train.node import Node
 from ftis.warmstart import cache_root
@@ -81,7 +81,7 @@ def _samples(
     for start in range(0, len(problems), per_batch):
         chunk = problems[start : start + per_batch]
         if cached is not None:
-            ids, lengths = _padded(cached[start : start + per_batch], tok.pad_token_id)
+            ids, lengths = right_pad(cached[start : start + per_batch], tok.pad_token_id)
         else:
             s = sample(
                 node.model,
@@ -243,15 +243,6 @@ def _cached_greedy(
     except OSError as e:  # a full or read-only cache costs the next run time, nothing else
         log.warning("could not store a greedy evaluation in %s: %s", path.parent, e)
     return rows
-
-
-def _padded(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, lengths): `rows` right-padded with `pad_id` into one (len(rows), T) tensor."""
-    width = max([len(r) for r in rows] + [1])
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return ids, torch.tensor([len(r) for r in rows], dtype=torch.long)
 
 
 SAMPLES_PER_SPLIT = 3  # greedy completions of a split's first problems kept for samples.jsonl

@@ -26,6 +26,7 @@ import torch
 
 from ftis.core.bridge import sequence_logprob
 from ftis.rewards.decode import structural_ids
+from ftis.rollout.sampler import right_pad
 from ftis.rollout.types import CompletionText, RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -120,10 +121,7 @@ def retokenize(
         rows.append(ids)
         keep.append(i)
         spans[i] = int(text.covered[i]) + int(bool(text.finished[i]))
-    width = max([len(r) for r in rows] + [1])
-    ids_t = torch.full((len(rows), width), pad, dtype=torch.long)
-    for j, r in enumerate(rows):
-        ids_t[j, : len(r)] = torch.tensor(r, dtype=torch.long)
+    ids_t, lengths = right_pad(rows, pad)
     idx = torch.tensor(keep, dtype=torch.long)
     # The sender's total over exactly the tokens that spell the string (and its EOS): the same
     # function of the same per-token log-probs as the exact path's sequence total.
@@ -133,8 +131,8 @@ def retokenize(
         prompt_index=batch.prompt_index.cpu()[idx],
         generator=batch.generator.cpu()[idx],
         completion_ids=ids_t,
-        lengths=torch.tensor([len(r) for r in rows], dtype=torch.long),
-        sampler_logprobs=torch.zeros((len(rows), width), dtype=torch.float32),
+        lengths=lengths,
+        sampler_logprobs=torch.zeros(ids_t.shape, dtype=torch.float32),
         bridged=torch.ones(len(rows), dtype=torch.bool),
         bridge_sampler_logprob=totals[idx].to(torch.float32),
         bridge_sampler_length=spans[idx],
