@@ -47,6 +47,127 @@ def gather_logprobs(
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+# Rows of (tokens, vocab) logits that `chunked_token_logprobs` holds at once: 2**23 elements
+# (32 MiB in f32; 170 rows of SmolLM2's 49,152-token vocabulary).
+CHUNK_ELEMENTS = 2**23
+
+# Causal LMs whose forward is `lm_head(backbone(...).last_hidden_state)` with nothing after the
+# head (no soft-capping, no logit scale): for these the head can be taken out and run in chunks.
+_PLAIN_HEAD_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+
+
+def _matmul_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype a linear layer would run its matmul in here: autocast's, if it is on."""
+    dev = t.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return t.dtype
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """log softmax((hidden @ weight.T) / temperature)[targets] row chunk by row chunk.
+
+    Forward keeps only each row's log-sum-exp; backward recomputes each chunk's logits, so no
+    (rows, vocab) tensor outlives its chunk in either pass. The matmuls run in the dtype a linear
+    layer would use here (autocast's bf16 under `model.compute_dtype: bfloat16`, the weights'
+    dtype otherwise); the softmax and everything after it in f32, as `gather_logprobs` does.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk_rows, mm_dtype):
+        m = hidden.shape[0]
+        out = torch.empty(m, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(m, dtype=torch.float32, device=hidden.device)
+        w = weight.to(mm_dtype)
+        for s in range(0, m, chunk_rows):
+            e = min(s + chunk_rows, m)
+            logits = (hidden[s:e].to(mm_dtype) @ w.t()).float()
+            if temperature != 1.0:
+                logits = logits / temperature
+            lse[s:e] = torch.logsumexp(logits, dim=-1)
+            out[s:e] = logits.gather(-1, targets[s:e, None]).squeeze(-1) - lse[s:e]
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk_rows, ctx.mm_dtype = temperature, chunk_rows, mm_dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        temperature, chunk_rows, mm_dtype = ctx.temperature, ctx.chunk_rows, ctx.mm_dtype
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        )
+        w = weight.to(mm_dtype)
+        grad_out = grad_out.float()
+        for s in range(0, hidden.shape[0], chunk_rows):
+            e = min(s + chunk_rows, hidden.shape[0])
+            h = hidden[s:e].to(mm_dtype)
+            logits = (h @ w.t()).float()
+            if temperature != 1.0:
+                logits = logits / temperature
+            g = grad_out[s:e, None]
+            # d/dz [z_t - logsumexp(z)] = onehot(t) - softmax(z), z = logits / temperature.
+            grad_logits = torch.exp(logits - lse[s:e, None]).mul_(-g)
+            grad_logits.scatter_add_(-1, targets[s:e, None], g)
+            if temperature != 1.0:
+                grad_logits = grad_logits / temperature
+            grad_logits = grad_logits.to(mm_dtype)
+            if need_h:
+                grad_h[s:e] = (grad_logits @ w).to(hidden.dtype)
+            if need_w:
+                grad_w += (grad_logits.t() @ h).float()
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """`gather_logprobs(hidden @ weight.T, targets, temperature=...)` without a whole
+    (.., V) logits tensor: the lm-head and the log-softmax run `chunk_rows` rows at a time, in
+    forward and (by recomputation) in backward.
+
+    hidden (N, T, H), weight (V, H) (an lm-head's, bias-free), targets (N, T) int64 -> (N, T)
+    float32, differentiable in hidden and weight. Equal to the unchunked path within float
+    rounding (tests/test_chunked_logprobs.py: 1e-5 in f32).
+    """
+    _check_temperature(temperature)
+    n, t, h = hidden.shape
+    rows = chunk_rows or max(1, CHUNK_ELEMENTS // weight.shape[0])
+    out = _ChunkedTokenLogprobs.apply(
+        hidden.reshape(n * t, h),
+        weight,
+        targets.reshape(n * t),
+        float(temperature),
+        int(rows),
+        _matmul_dtype(hidden),
+    )
+    return out.reshape(n, t)
+
+
+def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.Tensor] | None:
+    """(backbone, lm-head weight) of a causal LM whose logits are a plain bias-free linear map
+    of the backbone's last hidden state (the architectures in `_PLAIN_HEAD_TYPES`), else None:
+    those go through the model's own forward."""
+    base = base_model(model)
+    config = getattr(base, "config", None)
+    if getattr(config, "model_type", None) not in _PLAIN_HEAD_TYPES:
+        return None
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        return None
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    backbone = getattr(base, "model", None)
+    if type(head) is not torch.nn.Linear or head.bias is not None or backbone is None:
+        return None
+    return backbone, head.weight
+
+
 def completion_logprobs(
     model: torch.nn.Module,
     *,
@@ -71,14 +192,19 @@ def completion_logprobs(
     p = prompt_ids.shape[1]
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
-    out = model(
+    inputs = dict(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
     )
     # Logits at column j predict token j+1: columns P-1 .. P+T-2 predict the completion.
-    logits = out.logits[:, p - 1 : -1, :]
+    split = split_head(model)
+    if split is not None:
+        backbone, weight = split
+        hidden = backbone(**inputs).last_hidden_state[:, p - 1 : -1, :]
+        return chunked_token_logprobs(hidden, weight, completion_ids, temperature=temperature)
+    logits = model(**inputs).logits[:, p - 1 : -1, :]
     return gather_logprobs(logits, completion_ids, temperature=temperature)
 
 
@@ -127,33 +253,49 @@ def shared_prompt_completion_logprobs(
     )
     completion_ids, completion_mask = completion_ids.to(device), completion_mask.to(device)
     cache = DynamicCache()
-    cache_kw = {_cache_kwarg(model): cache}
     prompt_pos = position_ids_from_mask(prompt_mask)
-    first = model(
+    prompt_in = dict(
         input_ids=prompt_ids,
         attention_mask=prompt_mask.long(),
         position_ids=prompt_pos,
         use_cache=True,
-        logits_to_keep=1,
-        **cache_kw,
     )
-    # The last prompt position predicts the first completion token.
-    logits = [first.logits[:, -1:, :][prompt_of]]
+    # The last prompt position predicts the first completion token. With a plain head, the
+    # backbone runs and the head sees only the rows it needs, as a 2-D product (design.md:
+    # `logits_to_keep=1`'s 3-D slice costs a copy of the head weight per prompt in bf16).
+    split = split_head(model)
+    if split is not None:
+        backbone, weight = split
+        scorer = backbone
+        last = backbone(**prompt_in, **{_cache_kwarg(backbone): cache}).last_hidden_state
+        first_lp = chunked_token_logprobs(
+            last[:, -1:, :][prompt_of], weight, completion_ids[:, :1], temperature=temperature
+        )
+    else:
+        scorer = model
+        first = model(**prompt_in, logits_to_keep=1, **{_cache_kwarg(model): cache})
+        first_lp = gather_logprobs(
+            first.logits[:, -1:, :][prompt_of], completion_ids[:, :1], temperature=temperature
+        )
     t = completion_ids.shape[1]
-    if t > 1:
-        cache.batch_select_indices(prompt_of)
-        attn = torch.cat([prompt_mask[prompt_of], completion_mask[:, : t - 1]], dim=1).long()
-        pos = (
-            prompt_pos[prompt_of, -1:]
-            + 1
-            + torch.arange(t - 1, device=completion_ids.device)[None, :]
+    if t == 1:
+        return first_lp
+    cache.batch_select_indices(prompt_of)
+    attn = torch.cat([prompt_mask[prompt_of], completion_mask[:, : t - 1]], dim=1).long()
+    pos = (
+        prompt_pos[prompt_of, -1:] + 1 + torch.arange(t - 1, device=completion_ids.device)[None, :]
+    )
+    rest = dict(
+        input_ids=completion_ids[:, : t - 1],
+        attention_mask=attn,
+        position_ids=pos,
+        use_cache=True,
+    )
+    out = scorer(**rest, **{_cache_kwarg(scorer): cache})
+    if split is not None:
+        rest_lp = chunked_token_logprobs(
+            out.last_hidden_state, split[1], completion_ids[:, 1:], temperature=temperature
         )
-        rest = model(
-            input_ids=completion_ids[:, : t - 1],
-            attention_mask=attn,
-            position_ids=pos,
-            use_cache=True,
-            **cache_kw,
-        )
-        logits.append(rest.logits)
-    return gather_logprobs(torch.cat(logits, dim=1), completion_ids, temperature=temperature)
+    else:
+        rest_lp = gather_logprobs(out.logits, completion_ids[:, 1:], temperature=temperature)
+    return torch.cat([first_lp, rest_lp], dim=1)
