@@ -4,6 +4,7 @@ backward, in f32 and under bf16 autocast (issue 51, item 2).
 
     python -m bench.head_logprobs            # 2700 tokens x 576 hidden x 49,152 vocab
     python -m bench.head_logprobs --tokens 512
+    python -m bench.head_logprobs --out docs/results/chunked-head   # also writes .json and .md
 
 Each variant runs in a fresh interpreter (peak RSS is per process), one thread; it prints the
 peak resident memory the head's forward and backward added above the process's memory before
@@ -18,6 +19,7 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 HIDDEN, VOCAB = 576, 49152
 VARIANTS = (("whole", "f32"), ("chunked", "f32"), ("whole", "bf16"), ("chunked", "bf16"))
@@ -63,6 +65,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=2700)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
     ap.add_argument("--one", nargs=2, metavar=("MODE", "DTYPE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
@@ -74,9 +77,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
         cmd += ["--tokens", str(args.tokens), "--reps", str(args.reps)]
         done = subprocess.run(cmd, capture_output=True, text=True, check=True)
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    print(f"{'head':<8} {'dtype':<5} {'peak RSS added (MiB)':>21} {'median (s)':>11}")
-    for r in rows:
-        print(f"{r['mode']:<8} {r['dtype']:<5} {r['peak_rss_added_mib']:>21} {r['median_s']:>11}")
+    table = ["| head | dtype | peak RSS added (MiB) | median (s) |", "|---|---|---:|---:|"]
+    table += [
+        f"| {r['mode']} | {r['dtype']} | {r['peak_rss_added_mib']} | {r['median_s']} |"
+        for r in rows
+    ]
+    print("\n".join(table))
+    if args.out is not None:
+        from bench.common import environment
+
+        env = environment()
+        env["threads"] = "1"  # each variant's interpreter sets one thread
+        record = {"tokens": args.tokens, "reps": args.reps, "environment": env, "rows": rows}
+        args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+        cmd = f"python -m bench.head_logprobs --tokens {args.tokens} --reps {args.reps}"
+        head = __doc__.split("\n\n")[0]
+        lines = [
+            "# Chunked lm-head: memory and time",
+            "",
+            f"Written by `{cmd} --out {args.out}`. {head}",
+            "",
+            f"{args.tokens} tokens x {HIDDEN} hidden x {VOCAB} vocabulary, one thread, median of"
+            f" {args.reps} passes. Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()),
+            "",
+            *table,
+            "",
+        ]
+        args.out.with_suffix(".md").write_text("\n".join(lines))
     return rows
 
 
