@@ -146,5 +146,13 @@ def test_heads_that_are_not_a_plain_linear_map_use_the_models_forward():
     model.config.final_logit_softcapping = 30.0
     assert split_head(model) is None
     model.config.final_logit_softcapping = None
-    model.config.model_type = "some-other-architecture"
+    assert split_head(model) is not None
+
+    class Rescaled(type(model)):  # a forward that changes the logits must be the one that runs
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    model.__class__ = Rescaled
     assert split_head(model) is None

@@ -51,9 +51,12 @@ def gather_logprobs(
 # (32 MiB in f32; 170 rows of SmolLM2's 49,152-token vocabulary).
 CHUNK_ELEMENTS = 2**23
 
-# Causal LMs whose forward is `lm_head(backbone(...).last_hidden_state)` with nothing after the
-# head (no soft-capping, no logit scale): for these the head can be taken out and run in chunks.
-_PLAIN_HEAD_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+# transformers' causal-LM forwards that are `lm_head(self.model(...).last_hidden_state)` with
+# nothing after the head: for these the head can be taken out and run in chunks. A subclass that
+# overrides forward (to change the logits, say) keeps its own forward.
+_PLAIN_HEAD_FORWARDS = frozenset(
+    f"{arch}ForCausalLM.forward" for arch in ("Llama", "Qwen2", "Qwen3", "Mistral")
+)
 
 
 def _matmul_dtype(t: torch.Tensor) -> torch.dtype:
@@ -153,11 +156,11 @@ def chunked_token_logprobs(
 
 def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.Tensor] | None:
     """(backbone, lm-head weight) of a causal LM whose logits are a plain bias-free linear map
-    of the backbone's last hidden state (the architectures in `_PLAIN_HEAD_TYPES`), else None:
-    those go through the model's own forward."""
+    of the backbone's last hidden state (transformers' own forwards in `_PLAIN_HEAD_FORWARDS`,
+    not overridden), else None: those go through the model's own forward."""
     base = base_model(model)
     config = getattr(base, "config", None)
-    if getattr(config, "model_type", None) not in _PLAIN_HEAD_TYPES:
+    if getattr(type(base).forward, "__qualname__", "") not in _PLAIN_HEAD_FORWARDS:
         return None
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
         return None
