@@ -168,6 +168,8 @@ def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.Tensor] |
     backbone = getattr(base, "model", None)
     if type(head) is not torch.nn.Linear or head.bias is not None or backbone is None:
         return None
+    if head._forward_hooks or head._forward_pre_hooks:  # a hook on the head must see it run
+        return None
     return backbone, head.weight
 
 
