@@ -147,6 +147,10 @@ def test_heads_that_are_not_a_plain_linear_map_use_the_models_forward():
     assert split_head(model) is None
     model.config.final_logit_softcapping = None
     assert split_head(model) is not None
+    hook = model.get_output_embeddings().register_forward_hook(lambda mod, inp, out: out)
+    assert split_head(model) is None  # a hook on the head must see it run
+    hook.remove()
+    assert split_head(model) is not None
 
     class Rescaled(type(model)):  # a forward that changes the logits must be the one that runs
         def forward(self, *args, **kwargs):
