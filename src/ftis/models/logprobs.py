@@ -173,6 +173,24 @@ def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.Tensor] |
     return backbone, head.weight
 
 
+def _run_and_score(
+    model, split, targets, temperature, select, *, cache=None, keep_last=False, **inputs
+):
+    """Run `model` (or, with `split` from `split_head`, its backbone), take `select` of its
+    (N, L, .) output, and score `targets` there: through the chunked head, or through the
+    model's own logits (`keep_last`: only the last position's, `logits_to_keep=1`). `cache`: a
+    KV cache, passed under the argument name the callee takes."""
+    callee = model if split is None else split[0]
+    if cache is not None:
+        inputs[_cache_kwarg(callee)] = cache
+    if split is not None:
+        hidden = select(callee(**inputs).last_hidden_state)
+        return chunked_token_logprobs(hidden, split[1], targets, temperature=temperature)
+    if keep_last:
+        inputs["logits_to_keep"] = 1
+    return gather_logprobs(select(callee(**inputs).logits), targets, temperature=temperature)
+
+
 def completion_logprobs(
     model: torch.nn.Module,
     *,
@@ -204,13 +222,14 @@ def completion_logprobs(
         use_cache=False,
     )
     # Logits at column j predict token j+1: columns P-1 .. P+T-2 predict the completion.
-    split = split_head(model)
-    if split is not None:
-        backbone, weight = split
-        hidden = backbone(**inputs).last_hidden_state[:, p - 1 : -1, :]
-        return chunked_token_logprobs(hidden, weight, completion_ids, temperature=temperature)
-    logits = model(**inputs).logits[:, p - 1 : -1, :]
-    return gather_logprobs(logits, completion_ids, temperature=temperature)
+    return _run_and_score(
+        model,
+        split_head(model),
+        completion_ids,
+        temperature,
+        lambda out: out[:, p - 1 : -1, :],
+        **inputs,
+    )
 
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -269,19 +288,16 @@ def shared_prompt_completion_logprobs(
     # backbone runs and the head sees only the rows it needs, as a 2-D product (design.md:
     # `logits_to_keep=1`'s 3-D slice costs a copy of the head weight per prompt in bf16).
     split = split_head(model)
-    if split is not None:
-        backbone, weight = split
-        scorer = backbone
-        last = backbone(**prompt_in, **{_cache_kwarg(backbone): cache}).last_hidden_state
-        first_lp = chunked_token_logprobs(
-            last[:, -1:, :][prompt_of], weight, completion_ids[:, :1], temperature=temperature
-        )
-    else:
-        scorer = model
-        first = model(**prompt_in, logits_to_keep=1, **{_cache_kwarg(model): cache})
-        first_lp = gather_logprobs(
-            first.logits[:, -1:, :][prompt_of], completion_ids[:, :1], temperature=temperature
-        )
+    first_lp = _run_and_score(
+        model,
+        split,
+        completion_ids[:, :1],
+        temperature,
+        lambda out: out[:, -1:, :][prompt_of],
+        cache=cache,
+        keep_last=True,
+        **prompt_in,
+    )
     t = completion_ids.shape[1]
     if t == 1:
         return first_lp
@@ -296,11 +312,7 @@ def shared_prompt_completion_logprobs(
         position_ids=pos,
         use_cache=True,
     )
-    out = scorer(**rest, **{_cache_kwarg(scorer): cache})
-    if split is not None:
-        rest_lp = chunked_token_logprobs(
-            out.last_hidden_state, split[1], completion_ids[:, 1:], temperature=temperature
-        )
-    else:
-        rest_lp = gather_logprobs(out.logits, completion_ids[:, 1:], temperature=temperature)
+    rest_lp = _run_and_score(
+        model, split, completion_ids[:, 1:], temperature, lambda out: out, cache=cache, **rest
+    )
     return torch.cat([first_lp, rest_lp], dim=1)
