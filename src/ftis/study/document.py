@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from ftis.study.primary import insert_primary, primary_lines
 from ftis.study.spec import StudyError
 from ftis.study.tables import (
     DIFFERENCES_NOTE,
@@ -75,7 +76,8 @@ def write_document(
     """Regenerate a study's document (and its plots) from its run directories: `collect(study,
     out_dir)` gives (results, missing), `render(study, results, missing, out_dir, report_path,
     reading)` the text; the hand-written reading of the existing document is carried over. The
-    one writer of every kind of study (grid, FGRPO, arms). An existing document is never
+    one writer of every kind of study (grid, FGRPO, arms). A study file's `primary:`
+    comparisons open the document, before its first section (ftis.study.primary). An existing document is never
     replaced by one of no runs: finding none complete (run as printed but without the study's
     runs folder, say) raises StudyError and leaves the file as it is."""
     out_dir = Path(out_dir) if out_dir else study.out_dir
@@ -89,7 +91,8 @@ def write_document(
         )
     reading = existing_reading(report_path)
     report_path.parent.mkdir(parents=True, exist_ok=True)
-    report_path.write_text(render(study, results, missing, out_dir, report_path, reading))
+    text = render(study, results, missing, out_dir, report_path, reading)
+    report_path.write_text(insert_primary(text, primary_lines(study, out_dir)))
     log.info("results: %s (%d of %d runs complete)", report_path, len(results), len(study.runs))
     return report_path
 

@@ -131,6 +131,34 @@ class GridBlock(StrictModel):
     seeds: list[int] | None = Field(None, description="Default: the study's seeds.")
 
 
+class ArmRef(StrictModel):
+    """One side of a primary comparison: the runs of one grid point, one node's evaluations."""
+
+    pairing: str | None = Field(None, description="Pairing key; may be left out with one pairing.")
+    method: str = Field(description="Method key.")
+    node: str = Field(description="The node whose evaluations are compared.")
+    scheme: Literal["vertical", "horizontal", "joint"] | None = Field(
+        None, description="Sharing scheme; may be left out where the method runs under one."
+    )
+    threshold: float | None = Field(None, description="loss.filter_threshold of the grid point.")
+
+
+class PrimaryComparison(StrictModel):
+    """A comparison named before the runs (docs/math.md §11): reported first, with intervals
+    corrected for the number of primary comparisons; the reading may call a result only here."""
+
+    name: str = Field(description="How the document names it, e.g. 'F-TIS vs Alone G=8, adder'.")
+    a: ArmRef
+    b: ArmRef
+    split: str = Field("test", description="The eval split compared, at each run's last step.")
+    equivalence: float | None = Field(
+        None,
+        gt=0,
+        description="Declare the claim 'A matches B': the margin in accuracy points; the "
+        "document says whether the interval lies within +-margin.",
+    )
+
+
 class StudySpec(StrictModel):
     kind: Literal["grid"] = Field("grid", description="A grid study (the default kind).")
     name: str = Field(description="Study name; default output runs/study-<name>.")
@@ -149,6 +177,11 @@ class StudySpec(StrictModel):
         "ftis",
         description="The study renderer that writes the document (ftis.study.registry); "
         "default: the F-TIS family's, registered by ftis.algos.ftis.",
+    )
+    primary: list[PrimaryComparison] = Field(
+        default_factory=list,
+        description="Comparisons named before the runs (ftis.study.primary): the document "
+        "reports them first, Bonferroni-corrected; every other cell is exploratory.",
     )
 
     @model_validator(mode="after")
@@ -221,6 +254,54 @@ class Study:
     @property
     def out_dir(self) -> Path:
         return Path(self.spec.out) if self.spec.out else Path("runs") / f"study-{self.spec.name}"
+
+    def runs_of(self, ref: ArmRef, where: str = "primary") -> list[RunSpec]:
+        """The runs (one per seed) of the grid point `ref` names, whose evaluations of
+        `ref.node` a primary comparison reads; StudyError naming what does not match."""
+        pairing = ref.pairing
+        if pairing is None:
+            if len(self.spec.pairings) != 1:
+                raise StudyError(
+                    f"study {self.path}: {where}: name the pairing (one of "
+                    f"{', '.join(self.spec.pairings)})"
+                )
+            pairing = next(iter(self.spec.pairings))
+        method = self.spec.methods.get(ref.method)
+        if method is None:
+            raise StudyError(
+                f"study {self.path}: {where}: method {ref.method!r} is not defined under methods"
+            )
+        found = [
+            r
+            for r in self.runs
+            if r.pairing == pairing
+            and r.method == ref.method
+            and (ref.scheme is None or r.scheme == ref.scheme)
+            and r.threshold == ref.threshold
+            and (r.node == ref.node if method.alone else True)
+        ]
+        if not found:
+            raise StudyError(
+                f"study {self.path}: {where}: no run of the grid is pairing {pairing!r}, method "
+                f"{ref.method!r}"
+                + (f", scheme {ref.scheme!r}" if ref.scheme else "")
+                + (f", node {ref.node!r}" if method.alone else "")
+                + (f", threshold {ref.threshold:g}" if ref.threshold is not None else "")
+                + ": check the names against the grid"
+            )
+        variants = sorted({(r.scheme, r.node) for r in found}, key=str)
+        if len(variants) > 1:
+            raise StudyError(
+                f"study {self.path}: {where}: {len(variants)} grid points match "
+                f"({', '.join(sorted({r.variant for r in found}))}): give the scheme"
+            )
+        nodes = [n.name for n in found[0].config.nodes]
+        if ref.node not in nodes:
+            raise StudyError(
+                f"study {self.path}: {where}: runs {found[0].id} have no node {ref.node!r} "
+                f"(nodes: {', '.join(nodes)})"
+            )
+        return sorted(found, key=lambda r: r.seed)
 
     def select(self, pattern: str | None) -> list[RunSpec]:
         """Runs whose id matches a glob pattern (`size-*`, `*-f-tis-*`); all when None."""
@@ -355,4 +436,8 @@ def load_study(path: str | Path) -> Study:
     """Read, validate and expand a study file."""
     path = Path(path)
     spec = read_study_spec(path)
-    return Study(spec=spec, path=path, runs=expand(spec, path))
+    study = Study(spec=spec, path=path, runs=expand(spec, path))
+    for i, c in enumerate(spec.primary):
+        for side in ("a", "b"):
+            study.runs_of(getattr(c, side), f"primary[{i}] ({c.name!r}).{side}")
+    return study

@@ -1,17 +1,24 @@
-"""Paired differences with bootstrap intervals, for every study document (docs/math.md §11).
+"""Paired differences with intervals that hold at few seeds, for every study document
+(docs/math.md §11).
 
 A study compares method A with method B over seeds: each seed is one run of A and one run of B
 (same seed, same problems). What a document prints for a comparison is
 
-    mean over matched seeds of (A - B)   [95% percentile bootstrap interval]
+    mean over matched seeds of (A - B)   [95% Student-t interval]
 
 at one of two resolutions:
 
-    per-seed scalars       a[s], b[s] (e.g. final accuracy): the bootstrap resamples seeds.
+    per-seed scalars       a[s], b[s] (e.g. final accuracy): the t interval over the S per-seed
+                           differences, S - 1 degrees of freedom.
     per-problem outcomes   a[s, p], b[s, p] in {0, 1} on the same P problems for every seed
-                           (evals.jsonl): the bootstrap resamples seeds and, independently,
-                           problems; one draw of problems serves every drawn seed and both
-                           methods (they are paired by problem as well as by seed).
+                           (evals.jsonl): each seed's mean over the problems, then the t
+                           interval over seeds (conditional on the split's problems); one seed
+                           alone: the t interval over its problems (`mean_variance`).
+
+Why not the percentile bootstrap these documents printed before: over 3 seeds it can only
+reach the range of the three per-seed differences, and a null comparison excludes zero about 1
+time in 4 instead of 1 in 20. `ftis.study.calibration` measures both on null comparisons
+(docs/results/calibration.md); `bootstrap_difference` is kept for that comparison only.
 
 The reading may call A better or worse than B only where the interval excludes zero
 (`verdict`). Equal generated tokens: `at_equal_tokens` reads B's curve at A's token budget, seed
@@ -31,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scipy.stats import t as student_t
 
 from ftis.train.metrics import decode_outcomes, read_metrics
 
@@ -120,42 +128,17 @@ def _matched(
     return xs, ys, dropped
 
 
-def paired_difference(
-    a: Mapping[Any, Any],
-    b: Mapping[Any, Any],
-    *,
-    resamples: int = RESAMPLES,
-    confidence: float = CONFIDENCE,
-    seed: int = BOOTSTRAP_SEED,
-) -> PairedDifference:
-    """Paired difference A - B, by seed, with a percentile bootstrap interval.
-
-    a, b: seed -> a float (per-seed scalars), or seed -> a (P,) array of per-problem outcomes
-        (the same P problems, in the same order, for every seed of both). Only seeds present in
-        both count; a seed with a NaN in either is dropped (counted in `dropped`).
-    resamples, seed: the bootstrap's size and its numpy Generator seed (deterministic).
-
-    Per-seed scalars: d_s = a_s - b_s; each resample draws S seeds with replacement and takes
-    the mean of their d. Per-problem outcomes (docs/math.md §11): d_sp = a_sp - b_sp; each
-    resample draws S seeds with replacement and P problems with replacement (one draw of
-    problems for every drawn seed and for A and B alike: the problems are the same), and takes
-    the mean over the drawn seeds of the mean over the drawn problems. The interval is the
-    (1-c)/2 and (1+c)/2 quantiles of the resampled means."""
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
-    if resamples < 1:
-        raise ValueError(f"resamples must be at least 1, got {resamples}")
+def _difference_table(
+    a: Mapping[Any, Any], b: Mapping[Any, Any]
+) -> tuple[np.ndarray | None, np.ndarray | None, int, int]:
+    """(d (S,) per-seed scalars or None, d (S, P) per-problem or None, problems, dropped)."""
     xs, ys, dropped = _matched(a, b)
     if not xs:
-        nan = float("nan")
-        return PairedDifference(nan, nan, nan, 0, dropped=dropped, confidence=confidence)
+        return None, None, 0, dropped
     ndim = {x.ndim for x in xs + ys}
     if ndim == {0}:
-        d = np.array([float(x - y) for x, y in zip(xs, ys, strict=True)])  # (S,)
-        rng = np.random.default_rng(seed)
-        means = d[rng.integers(0, len(d), size=(resamples, len(d)))].mean(axis=1)
-        problems = 0
-    elif ndim == {1}:
+        return np.array([float(x - y) for x, y in zip(xs, ys, strict=True)]), None, 0, dropped
+    if ndim == {1}:
         sizes = {x.shape[0] for x in xs + ys}
         if len(sizes) != 1:
             raise ValueError(
@@ -166,14 +149,145 @@ def paired_difference(
         problems = sizes.pop()
         if problems == 0:
             raise ValueError("per-problem outcomes are empty (0 problems)")
-        d2 = np.stack(xs) - np.stack(ys)  # (S, P)
+        return None, np.stack(xs) - np.stack(ys), problems, dropped
+    raise ValueError(
+        "each seed's value must be a number (per-seed scalars) or a 1-D array of "
+        f"per-problem outcomes, the same kind for every seed; got array dimensions {ndim}"
+    )
+
+
+def _check(confidence: float) -> None:
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
+
+
+def mean_variance(d: np.ndarray) -> tuple[float, float]:
+    """(variance of the mean of d, its degrees of freedom): what `paired_difference`'s t
+    interval uses (docs/math.md §11).
+
+    d (S,) per-seed differences, or (S, P) per-problem differences with S >= 2: the S per-seed
+    means, var / S with S - 1 degrees of freedom. The interval is conditional on the split's
+    problems (the held-out problems every seed answers), so a difference that holds on these
+    problems and not on others of the task is not its error (`crossed_variance` would count it;
+    docs/results/calibration.md shows why documents do not use it). One seed of per-problem
+    outcomes: over its problems, var(d_p) / P with P - 1 degrees of freedom. (nan, nan) for
+    one seed of scalars or one seed of one problem."""
+    if d.ndim == 2 and d.shape[0] == 1:
+        p = d.shape[1]
+        if p < 2:
+            return float("nan"), float("nan")
+        return float(d[0].var(ddof=1) / p), float(p - 1)
+    by_seed = d.mean(axis=1) if d.ndim == 2 else d
+    s = len(by_seed)
+    if s < 2:
+        return float("nan"), float("nan")
+    return float(by_seed.var(ddof=1) / s), float(s - 1)
+
+
+def crossed_variance(d: np.ndarray) -> tuple[float, float]:
+    """(variance, degrees of freedom) of the mean of d (S, P), S >= 2, P >= 2, with seeds and
+    problems crossed and the problems taken as a sample of the task's (d_sp = mu + alpha_s +
+    beta_p + gamma_sp, variances sa2, sb2, sg2; the mean's variance sa2/S + sb2/P + sg2/(S P)).
+    From the two-way mean squares (E[MS_S] = sg2 + P sa2, E[MS_P] = sg2 + S sb2, E[MS_E] = sg2):
+
+        V = MS_S / (S P)  +  max(0, MS_P - MS_E) / (S P)
+
+    with Satterthwaite's degrees of freedom over the mean squares used. Only the calibration
+    runs it (docs/results/calibration.md): at 2 seeds the Satterthwaite degrees of freedom it
+    adds make it exclude zero too often on real null comparisons."""
+    s, p = d.shape
+    grand = d.mean()
+    by_seed, by_problem = d.mean(axis=1), d.mean(axis=0)
+    ms_s = p * float(((by_seed - grand) ** 2).sum()) / (s - 1)
+    ms_p = s * float(((by_problem - grand) ** 2).sum()) / (p - 1)
+    resid = d - by_seed[:, None] - by_problem[None, :] + grand
+    ms_e = float((resid**2).sum()) / ((s - 1) * (p - 1))
+    parts = [(ms_s, s - 1)]
+    if ms_p > ms_e:  # a problem effect shared by every seed
+        parts += [(ms_p, p - 1), (-ms_e, (s - 1) * (p - 1))]
+    total = sum(ms for ms, _ in parts)
+    if total <= 0:  # every seed and problem alike: the differences are one number
+        return 0.0, float(s - 1)
+    return total / (s * p), total * total / sum(ms * ms / df for ms, df in parts)
+
+
+def t_interval(
+    mean: float, var: float, df: float, confidence: float = CONFIDENCE
+) -> tuple[float, float]:
+    """mean -+ t(df) * sqrt(var) at `confidence`; (nan, nan) without a finite variance."""
+    if not math.isfinite(var):
+        return float("nan"), float("nan")
+    half = float(student_t.ppf(0.5 + confidence / 2, df)) * math.sqrt(var) if var > 0 else 0.0
+    return mean - half, mean + half
+
+
+def paired_difference(
+    a: Mapping[Any, Any],
+    b: Mapping[Any, Any],
+    *,
+    confidence: float = CONFIDENCE,
+) -> PairedDifference:
+    """Paired difference A - B, by seed, with a Student-t interval that holds at few seeds.
+
+    a, b: seed -> a float (per-seed scalars), or seed -> a (P,) array of per-problem outcomes
+        (the same P problems, in the same order, for every seed of both). Only seeds present in
+        both count; a seed with a NaN in either is dropped (counted in `dropped`).
+
+    The point estimate is the mean of d = a - b; the interval is mean +- t * sqrt(V), V and the
+    t distribution's degrees of freedom from `mean_variance`: over the per-seed differences
+    (per-problem outcomes are averaged over the split's problems first), S - 1 degrees of
+    freedom; one seed of per-problem outcomes, over its problems. Its coverage
+    at 3, 5 and 8 seeds is measured on null comparisons, simulated and from real runs, by
+    `ftis.study.calibration` (docs/results/calibration.md). With one seed of scalars there is no
+    interval (low = high = NaN)."""
+    _check(confidence)
+    d1, d2, problems, dropped = _difference_table(a, b)
+    nan = float("nan")
+    if d1 is None and d2 is None:
+        return PairedDifference(nan, nan, nan, 0, dropped=dropped, confidence=confidence)
+    d = d1 if d1 is not None else d2
+    mean = float(d.mean())
+    seeds = len(d)
+    low, high = t_interval(mean, *mean_variance(d), confidence)
+    return PairedDifference(
+        mean=mean,
+        low=low,
+        high=high,
+        seeds=seeds,
+        problems=problems,
+        dropped=dropped,
+        confidence=confidence,
+    )
+
+
+def bootstrap_difference(
+    a: Mapping[Any, Any],
+    b: Mapping[Any, Any],
+    *,
+    resamples: int = RESAMPLES,
+    confidence: float = CONFIDENCE,
+    seed: int = BOOTSTRAP_SEED,
+) -> PairedDifference:
+    """The percentile bootstrap documents printed before the calibration (kept to show, in
+    ftis.study.calibration, how far from 95% it covers at few seeds; no document uses it).
+
+    Per-seed scalars: each resample draws S seeds with replacement and takes the mean of their
+    d. Per-problem outcomes: each resample draws S seeds and, once for all of them, P problems
+    with replacement. The interval is the (1-c)/2 and (1+c)/2 quantiles of the means."""
+    _check(confidence)
+    if resamples < 1:
+        raise ValueError(f"resamples must be at least 1, got {resamples}")
+    d1, d2, problems, dropped = _difference_table(a, b)
+    if d1 is None and d2 is None:
+        nan = float("nan")
+        return PairedDifference(nan, nan, nan, 0, dropped=dropped, confidence=confidence)
+    if d1 is not None:
+        d = d1
+        rng = np.random.default_rng(seed)
+        means = d[rng.integers(0, len(d), size=(resamples, len(d)))].mean(axis=1)
+    else:
         d = d2.mean(axis=1)
         means = _problem_bootstrap(d2, resamples=resamples, seed=seed)
-    else:
-        raise ValueError(
-            "each seed's value must be a number (per-seed scalars) or a 1-D array of "
-            f"per-problem outcomes, the same kind for every seed; got array dimensions {ndim}"
-        )
     q = (1 - confidence) / 2
     low, high = np.quantile(means, [q, 1 - q])
     return PairedDifference(

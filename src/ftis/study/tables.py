@@ -91,25 +91,36 @@ def rel(path: Path) -> str:
 ONE_SEED = "n/a (1 seed)"
 DIFFERENCES_NOTE = (
     "Each cell is the paired difference A − B (paired by seed: the same seed's run of each), "
-    "mean over the seeds both have, with its 95% percentile bootstrap interval over seeds "
-    "(ftis.study.stats, 10,000 resamples, docs/math.md §11), in percentage points unless the "
-    "column says otherwise. **Bold**: the interval excludes zero, the only case a reading may "
-    "call A better or worse than B; otherwise no difference is detected at this resolution. "
-    f"'{ONE_SEED}': one paired seed, no interval; '-': no paired seed."
+    "mean over the seeds both have, with its 95% Student-t interval (over seeds; where the "
+    "cells resample problems too, seeds and problems crossed: ftis.study.stats, docs/math.md "
+    "§11, calibrated on null comparisons in docs/results/calibration.md), in percentage points "
+    "unless the column says otherwise. **Bold**: the printed interval excludes zero; unless "
+    "the document names the comparison as primary before its runs, a bold cell is exploratory "
+    "(about 1 cell in 20 is bold when nothing differs); otherwise no difference is detected at "
+    f"this resolution. '{ONE_SEED}': one paired seed, no interval; '-': no paired seed."
 )
 
 
 def has_interval(d: PairedDifference) -> bool:
-    """Whether `d` carries a bootstrap interval: two paired seeds or more, or one seed resampled
-    over its problems; finite ends either way."""
+    """Whether `d` carries an interval: two paired seeds or more, or one seed's per-problem
+    outcomes; finite ends either way."""
     return (d.seeds >= 2 or (d.seeds == 1 and d.problems > 0)) and bool(
         math.isfinite(d.low) and math.isfinite(d.high)
     )
 
 
-def is_bold(d: PairedDifference) -> bool:
-    """The one bold rule of every document: an interval, and it excludes zero."""
-    return has_interval(d) and d.excludes_zero
+def printed_excludes_zero(d: PairedDifference, *, scale: float = 100.0, digits: int = 1) -> bool:
+    """Whether the interval as printed (times `scale`, rounded to `digits`) excludes zero: an
+    end that prints as 0.0 touches zero, whatever its unrounded value."""
+    low, high = round(d.low * scale, digits), round(d.high * scale, digits)
+    return bool(low > 0 or high < 0)
+
+
+def is_bold(d: PairedDifference, *, scale: float = 100.0, digits: int = 1) -> bool:
+    """The one bold rule of every document: an interval, and its printed ends exclude zero."""
+    return (
+        has_interval(d) and d.excludes_zero and printed_excludes_zero(d, scale=scale, digits=digits)
+    )
 
 
 def interval_cell(
@@ -119,7 +130,7 @@ def interval_cell(
     cell also says '(better)' or '(worse)'. Cells without a paired seed or without an interval
     are the caller's to word (`Differences.format`, collab's cells)."""
     text = d.cells(scale=scale, digits=digits)
-    if not is_bold(d):
+    if not is_bold(d, scale=scale, digits=digits):
         return text
     return f"**{text}** ({d.verdict()})" if verdict else f"**{text}**"
 
@@ -165,7 +176,7 @@ class Differences:
             return ONE_SEED
         self.count += 1
         self.fewest = min(self.fewest, d.seeds) if self.fewest else d.seeds
-        if is_bold(d):
+        if is_bold(d, scale=scale, digits=digits):
             self.hits.append(f"{label}: {d.verdict(higher_is_better=higher_is_better)}")
         return interval_cell(d, scale=scale, digits=digits)
 
@@ -182,23 +193,22 @@ class Differences:
         return [*lines, self.summary(), ""]
 
     def summary(self) -> str:
-        """One line: how many intervals exclude zero (the bold cells), in which direction."""
+        """One line: how many intervals exclude zero (the bold cells), in which direction, and
+        how many a null effect would bold (these cells are exploratory: docs/math.md §11)."""
         if not self.count:
             return "No comparison has two paired seeds."
+        null = self.count / 20
+        expect = (
+            f" These {self.count} cells are exploratory: were there no difference anywhere, "
+            f"about {null:.1f} of them would be bold (1 in 20)."
+        )
         if not self.hits:
-            return f"None of the {self.count} intervals excludes zero."
+            return f"None of the {self.count} intervals excludes zero.{expect}"
         better = sum(h.endswith(": better") for h in self.hits)
         worse = len(self.hits) - better
-        few = (
-            " With 2-3 seeds a percentile bootstrap cannot reach beyond the smallest and largest "
-            "per-seed difference, so its intervals are narrower than 95% coverage would need."
-            if self.fewest <= 3
-            else ""
-        )
         return (
             f"{len(self.hits)} of the {self.count} intervals exclude zero (bold): {better} "
-            f"better, {worse} worse.{few} At 95%, about 1 interval in 20 excludes zero when "
-            "there is no difference at all."
+            f"better, {worse} worse.{expect}"
         )
 
 
@@ -314,6 +324,7 @@ __all__ = [
     "is_bold",
     "mean_std",
     "paired_count",
+    "printed_excludes_zero",
     "regenerate_lines",
     "rel",
     "runs_table",
