@@ -9,7 +9,7 @@ For each seed s it runs (unless RUN/reco-s and RUN/grpo-s already hold a finishe
 
 (`vis` is GRPO's loss; it ignores the `reco_*` fields, so the two arms differ in ReCo alone),
 then prints each seed's pass@k and greedy test accuracy at the last evaluation, and the paired
-difference ReCo - GRPO with its 95% bootstrap interval (`ftis.study.stats.paired_difference`:
+difference ReCo - GRPO with its 95% Student-t interval (`ftis.study.stats.paired_difference`:
 per-seed scalars for pass@k, per-problem greedy outcomes for test accuracy). Both arms of a seed
 start from the same shipped warm start and are evaluated with the same sampling seed, so their
 step-0 figures are identical.
@@ -68,7 +68,7 @@ def main() -> None:
         for step in (0, max(evals["reco", s])):
             a, b = evals["reco", s][step], evals["grpo", s][step]
             print(f"{s} | {step} | " + " | ".join(f"{a[k]:.3f} / {b[k]:.3f}" for k in keys))
-    print(f"\nReCo - GRPO at the last evaluation, {len(args.seeds)} seeds, 95% bootstrap interval:")
+    print(f"\nReCo - GRPO at the last evaluation, {len(args.seeds)} seeds, 95% Student-t interval over seeds:")
     for k in keys:
         d = paired_difference(
             {s: figures["reco", s][k] for s in args.seeds},

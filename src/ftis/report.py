@@ -399,7 +399,7 @@ def _verdict_word(d, up: str, down: str, neither: str) -> str:
 
 def change_section(run_dir: Path) -> list[str]:
     """Did each node improve? Its last evaluation against its first, paired by problem (the same
-    problems at every step, from evals.jsonl): the change in points with a 95% bootstrap
+    problems at every step, from evals.jsonl): the change in points with a 95% Student-t
     interval over the problems (docs/math.md §11, one seed), and 'improved' / 'worse' only where
     the interval excludes zero. One run says nothing of the spread over training seeds; a study
     (`ftis sweep`) pairs seeds. Empty for a run without two evaluations of a node."""
@@ -446,8 +446,8 @@ def change_section(run_dir: Path) -> list[str]:
         "The last evaluation's share of problems solved (greedy reward above 0) minus the "
         "first's, on the same problems: the summary's 'acc', or its 'solved' column where the "
         "reward is not 0/1 (its mean reward has no per-problem record to pair). The interval is "
-        "a bootstrap over those problems, so it covers which problems were drawn, not how "
-        "another training seed would have gone (`ftis sweep` pairs seeds).",
+        "a Student-t interval over those problems, so it covers which problems were drawn, not "
+        "how another training seed would have gone (`ftis sweep` pairs seeds).",
         "",
     ]
 
@@ -634,8 +634,8 @@ def paired_final_rows(reference: Path, other: Path) -> tuple[list[str], list[lis
     """REFERENCE's last evaluation minus OTHER's, per node present in both (by name) and split,
     paired by problem: (header, rows, why-empty). Pairing needs the same problems, so the two
     runs' task sections must be equal (then a split of one name is the same problems in both);
-    otherwise no row, and the third value says why. The interval is a bootstrap over problems
-    (one seed each), as in change_section."""
+    otherwise no row, and the third value says why. The interval is a Student-t interval over
+    problems (one seed each), as in change_section."""
     from ftis.study.stats import paired_difference, read_evals
 
     header = ["node", "split", "steps", "problems", "difference (points) [95% interval]", "reading"]

@@ -188,8 +188,9 @@ def render(*, trials: int, runs_dirs: Sequence[Path]) -> str:
         "results document prints paired differences with a 95% interval and bolds the cells "
         "whose interval excludes zero; on a comparison where nothing differs that should "
         "happen about 5% of the time. This page runs the interval the documents print "
-        "(Student t: over seeds for per-seed scalars; for per-problem outcomes, seeds and "
-        "problems crossed, docs/math.md §11) and the percentile bootstrap they printed before "
+        "(Student t over the per-seed differences; per-problem outcomes are averaged over the "
+        "split's problems first, docs/math.md §11), the alternative that crosses seeds and "
+        "problems, and the percentile bootstrap they printed before "
         f"(resampling seeds, and problems where there are outcomes; {BOOT_RESAMPLES:,} "
         f"resamples here, {boot_trials} trials a cell) on null comparisons, and prints the "
         "share that excluded zero, with its binomial standard error. Goal: 4-6%.",

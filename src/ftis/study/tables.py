@@ -91,9 +91,10 @@ def rel(path: Path) -> str:
 ONE_SEED = "n/a (1 seed)"
 DIFFERENCES_NOTE = (
     "Each cell is the paired difference A − B (paired by seed: the same seed's run of each), "
-    "mean over the seeds both have, with its 95% Student-t interval (over seeds; where the "
-    "cells resample problems too, seeds and problems crossed: ftis.study.stats, docs/math.md "
-    "§11, calibrated on null comparisons in docs/results/calibration.md), in percentage points "
+    "mean over the seeds both have, with its 95% Student-t interval over the per-seed "
+    "differences (a seed's problems averaged first, so it holds for the split's problems: "
+    "ftis.study.stats, docs/math.md §11; its coverage on null comparisons is measured in "
+    "docs/results/calibration.md), in percentage points "
     "unless the column says otherwise. **Bold**: the printed interval excludes zero; unless "
     "the document names the comparison as primary before its runs, a bold cell is exploratory "
     "(about 1 cell in 20 is bold when nothing differs); otherwise no difference is detected at "
@@ -182,7 +183,7 @@ class Differences:
 
     def block(self, note: str, *tables: list[str]) -> list[str]:
         """The note that says how to read the cells (DIFFERENCES_NOTE and what the intervals
-        resample), the tables of these differences and the summary line; nothing when every
+        average), the tables of these differences and the summary line; nothing when every
         table is empty."""
         tables = tuple(t for t in tables if t)
         if not tables:

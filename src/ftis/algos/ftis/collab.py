@@ -2,7 +2,7 @@
 does a node gain by training with a peer, against the same node training alone?
 
 Every comparison is a paired difference by seed (same seed, same test problems) with a 95%
-bootstrap interval over seeds and problems (ftis.study.stats, docs/math.md §11), computed from
+Student-t interval over the seeds (ftis.study.stats, docs/math.md §11), computed from
 the runs' per-problem greedy outcomes (evals.jsonl):
 
 - at equal steps: a method's last evaluation against an Alone baseline's at the same step;
@@ -540,9 +540,11 @@ def head_lines(
         f"Accuracy is greedy accuracy on the `{opts.split}` split (held-out problems, the same "
         "for every seed and method). A difference is the method's accuracy minus the baseline's, "
         "in points, paired by seed (same seed, same problems): `mean [95% interval]`, the interval "
-        "a bootstrap over seeds and problems (docs/math.md §11). **Bold** marks an interval that "
-        "excludes zero, the only case the reading may call a method better or worse; every other "
-        "cell is *no difference detected at this resolution*. Equal steps: both at the method's "
+        "a Student-t interval over the seeds' differences, each a mean over the split's problems "
+        "(docs/math.md §11). **Bold** marks a printed interval that excludes zero; the reading "
+        "may call a method better or worse only on a bold primary comparison (the section "
+        "'Primary comparisons', named in the study file before its runs): other bold cells are "
+        "exploratory, and every other cell is *no difference detected at this resolution*. Equal steps: both at the method's "
         "last evaluation. Equal generated tokens: the baseline's curve read (linear "
         "interpolation, never extrapolated) at the tokens the method's node generated.",
         "",

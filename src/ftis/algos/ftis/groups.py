@@ -3,7 +3,7 @@ together in groups of 2, 3 and 4, each against itself training alone, and agains
 smaller group.
 
 It reads the runs as the collaboration study does (`ftis.algos.ftis.collab`: every node of every
-run, paired differences by seed with bootstrap intervals over seeds and problems) and adds what
+run, paired differences by seed with Student-t intervals over seeds) and adds what
 groups ask:
 
 - one set of Alone runs for every group (`options.alone_from`: the group whose Alone runs are

@@ -4,7 +4,7 @@ runs without the attacker, with paired intervals (ftis.study.stats).
 
 An arm's *honest nodes* are the nodes that `testing.adversary` does not name. Per run:
 - accuracy: the honest nodes' greedy test outcomes (evals.jsonl), averaged over the honest
-  nodes problem by problem, so that a paired difference resamples seeds and problems;
+  nodes problem by problem; a paired difference averages them per seed, its interval over seeds;
 - attack success: `attack/success` (sampled completions containing the injection) at each
   evaluation, mean over the honest nodes;
 - drops: each screen's `defence/*_dropped` (a fraction of the peers' sequences; `own_dropped`
@@ -291,9 +291,9 @@ DROPPED_NOTE = (
     "and seeds. In an arm without attacker every dropped sequence is honest. Trust is each "
     "honest node's trust in a peer at the last step."
 )
-RESAMPLED_NOTE = (
-    " Accuracy intervals resample seeds and test problems; attack success intervals resample "
-    "seeds (final evaluation)."
+PER_SEED_NOTE = (
+    " Accuracy: a seed's difference is its mean over the test problems; attack success: the "
+    "final evaluation's, per seed."
 )
 
 
@@ -305,7 +305,7 @@ def _body(page: Page) -> list[str]:
         *section(
             "Paired differences with intervals",
             [*diff, "", summary],
-            DIFFERENCES_NOTE + RESAMPLED_NOTE,
+            DIFFERENCES_NOTE + PER_SEED_NOTE,
         ),
     ]
 

@@ -13,8 +13,8 @@ an update, then over seeds. Paired differences of final accuracy, per node, agai
     options:
       baseline: {<arm>: <arm it is compared with>}
 
-A difference resamples seeds and test problems (ftis.study.stats) and is bold only where its
-interval excludes zero.
+A difference is paired by seed, with a Student-t interval over the seeds' mean differences on
+the test problems (ftis.study.stats), and is bold only where its printed interval excludes zero.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ ARM_NOTE = (
     "exp(trainer − sampler log-prob) over the tokens trained on (a diagnostic, logged for every "
     "loss: NoIS does not use it, TIS caps it)."
 )
-RESAMPLED_NOTE = " Intervals resample seeds and test problems."
+PER_SEED_NOTE = " A seed's difference is its mean over the test problems."
 
 
 def _body(page: Page) -> list[str]:
@@ -179,7 +179,7 @@ def _body(page: Page) -> list[str]:
         *section(
             "Paired differences with intervals",
             [*diff, "", summary],
-            DIFFERENCES_NOTE + RESAMPLED_NOTE,
+            DIFFERENCES_NOTE + PER_SEED_NOTE,
         ),
     ]
 

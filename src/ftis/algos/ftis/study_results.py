@@ -862,7 +862,7 @@ def _other_keys(results: list[RunResult], pairing: str) -> list[str]:
 
 def _difference_section(study: Study, results: list[RunResult]) -> list[str]:
     """Every method minus its pairing's baseline (Alone where the pairing has one, else its
-    first method), per node, paired by seed with a bootstrap interval: final test and ood
+    first method), per node, paired by seed with a Student-t interval: final test and ood
     accuracy at equal steps, and against Alone also at equal generated tokens (Alone's curve
     read at the method's final token count, ftis.study.stats.at_equal_tokens); then the other
     eval splits and pass@k at equal steps."""

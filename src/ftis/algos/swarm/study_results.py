@@ -181,7 +181,7 @@ def churn_table(study: Study, results: list[ArmResult]) -> list[str]:
     """Per model, a churn arm's accuracy change (a peer's last minus first evaluation) minus
     its no-churn twin's: paired by seed (each seed's mean over the model's peers; one seed
     gives no interval), and paired by peer within the seeds (the same peer, model, data and
-    warm start in both runs; the bootstrap resamples peers, so it says how the result varies
+    warm start in both runs; the interval is over peers, so it says how the result varies
     over peers of this one run, not over seeds)."""
     arms = study.spec.arms  # type: ignore[attr-defined]
     diffs = Differences()
@@ -222,7 +222,7 @@ def churn_table(study: Study, results: list[ArmResult]) -> list[str]:
         "A peer's accuracy change is its last evaluation minus its first (peers present at least "
         "half the rounds in both runs; a peer that left early has its last evaluation before "
         "the last round). " + DIFFERENCES_NOTE + f" With one seed, the seed column is "
-        f"'{ONE_SEED}'; the peer column resamples the peers of that one seed, so its interval "
+        f"'{ONE_SEED}'; the peer column's interval is over the peers of that one seed, so it "
         "says how the difference varies over peers, not over seeds.",
         _table(header, rows, empty=""),
     )
