@@ -167,3 +167,23 @@ def test_a_method_keeps_its_colour_in_every_panel(tmp_path, monkeypatch):
     for line in ax_q.get_lines():
         assert line.get_color() == colour[line.get_label()]
     assert [t.get_text() for t in ax_p.get_legend().get_texts()] == ["zero", "one", "two"]
+
+
+def test_hacpo_series_averages_only_steps_every_seed_logged(tmp_path: Path) -> None:
+    """A step that one seed did not log (its run stopped early, or the row lacks the key) is
+    left out of the curve: a mean over a different set of seeds there would move the curve."""
+    from ftis.algos.ftis.collab import CollabData, NodeRun
+
+    runs = []
+    for seed, values in {0: [1.0, 2.0, 3.0], 1: [3.0, 4.0]}.items():
+        run_dir = tmp_path / f"s{seed}"
+        run_dir.mkdir()
+        rows = [
+            {"node": "a", "step": step, "hacpo/capability": v} for step, v in enumerate(values)
+        ]
+        rows.append({"node": "a", "step": 5, "other": 1.0})
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs.append(NodeRun("p", "hacpo", "a", seed, run_dir))
+    steps, means = CollabData(runs).series("p", "hacpo", "a", "hacpo/capability")
+    assert steps == [0, 1]
+    assert means == [2.0, 3.0]

@@ -60,7 +60,8 @@ def _write(run_dir: Path, arm: str, seed: int, nodes: list[str]) -> None:
                 k = 24 if step == 0 else FINAL[arm] + (seed if "bf16" in arm else 0)
                 bits = np.zeros(P, dtype=np.uint8)
                 bits[:k] = 1
-                row["eval/accuracy"] = k / P
+                # partial credit: the mean reward is not the share solved
+                row["eval/accuracy"] = k / P + 0.1
                 evals.append(
                     {
                         "step": step,
@@ -88,14 +89,18 @@ def test_sampler_dtype_document_numbers(tmp_path):
     for r in study.runs:
         _write(tmp_path / "out" / r.id, r.arm, r.seed, [n.name for n in r.config.nodes])
     text = write_arms_results(study).read_text()
-    # bf16 arm, node small: step 0 60%, final (29+s)/40 -> 72.5/75/77.5; k3 mean 1.5e-3, filter
-    # mean 1.5%, IS weight max mean 3.5
+    # bf16 arm, node small: solved at step 0 60%, final (29+s)/40 -> 72.5/75/77.5, mean reward
+    # 10 points above it; k3 mean 1.5e-3, filter mean 1.5%, IS weight max mean 3.5
     assert (
         "| bf16 | default | `small` | bfloat16 | f-tis | 3 | 60.0 ± 0.0 | 75.0 ± 2.5 | "
-        "1.500 ± 0.000 | 1.50 ± 0.00 | 1.0000 ± 0.0000 | 3.50 ± 0.00 |" in text
+        "85.0 ± 2.5 | 1.500 ± 0.000 | 1.50 ± 0.00 | 1.0000 ± 0.0000 | 3.50 ± 0.00 |" in text
     )
     # f32 arms log no mismatch
-    assert "| f32 | default | `large` | float32 | f-tis | 3 | 60.0 ± 0.0 | 75.0 ± 0.0 | - |" in text
+    assert (
+        "| f32 | default | `large` | float32 | f-tis | 3 | 60.0 ± 0.0 | 75.0 ± 0.0 | 85.0 ± 0.0 | - |"
+        in text
+    )
+    assert "solved final (%) | mean reward final (%)" in text
     diff = text[text.index("## Paired differences") :]
     # bf16 - f32: -2.5, 0, +2.5 points -> no bold; bf16 NoIS - f32 NoIS: -25, -22.5, -20 -> bold
     assert "| bf16 | f32 | `small` | 0.0 [" in diff and "| bf16 | f32 | `small` | **" not in diff

@@ -170,13 +170,16 @@ class CollabData:
     # ---------------------------------------------------------------- HACPO's figures
 
     def series(self, pairing: str, method: str, node: str, key: str) -> tuple[list, list]:
-        """(steps, mean over seeds of `key` at each step) where every seed logged it."""
+        """(steps, mean over seeds of `key` at each step), only at the steps where every seed
+        logged it: a mean over a different set of seeds at some steps would move the curve by
+        which seeds are in it, not by training."""
         per_step: dict[int, list[float]] = {}
-        for run in self.seeds(pairing, method, node).values():
+        runs = list(self.seeds(pairing, method, node).values())
+        for run in runs:
             for r in self.rows(run):
                 if key in r and r[key] is not None:
                     per_step.setdefault(int(r["step"]), []).append(float(r[key]))
-        steps = sorted(per_step)
+        steps = sorted(s for s, v in per_step.items() if len(v) == len(runs))
         return steps, [float(np.mean(per_step[s])) for s in steps]
 
 

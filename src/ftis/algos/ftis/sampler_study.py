@@ -59,11 +59,25 @@ def _final_step(res: ArmResult) -> int:
     return res.run.config.train.steps
 
 
-def _accuracy(res: ArmResult, node: str, step: int) -> float | None:
+def _mean_reward(res: ArmResult, node: str, step: int) -> float | None:
+    """The node's mean greedy reward on the test split at `step` (`eval/accuracy`, which is the
+    share solved only where the reward is 0/1: reasoning-gym gives partial credit)."""
     for r in res.node_rows(node):
         if int(r["step"]) == step and "eval/accuracy" in r:
             return float(r["eval/accuracy"])
     return None
+
+
+def _solved(out_dir: Path, res: ArmResult, node: str, step: int) -> float | None:
+    """The share of the test problems the node solved (greedy reward above 0, evals.jsonl) at
+    `step`: what the paired differences compare."""
+    try:
+        split = read_evals(out_dir / res.run.id).get(node, {}).get(SPLIT)
+    except FileNotFoundError:
+        return None
+    if split is None or step not in split.steps.tolist():
+        return None
+    return float(split.at_step(step).mean())
 
 
 def _step_mean(res: ArmResult, node: str, key: str) -> float | None:
@@ -97,6 +111,9 @@ def arm_table(page: Page) -> list[str]:
         runs = _runs(page.results, arm)
         if not runs:
             continue
+        def solved(r: ArmResult, node: str, step: int) -> float | None:
+            return _solved(page.out_dir, r, node, step)
+
         for node in _nodes(runs[0]):
             cells = []
             for key, scale, digits in STEP_MEANS:
@@ -112,14 +129,13 @@ def arm_table(page: Page) -> list[str]:
                     _sampler(runs[0]),
                     _loss(runs[0]),
                     str(len(runs)),
-                    fmt_pct([v for r in runs for v in [_accuracy(r, node, 0)] if v is not None]),
-                    fmt_pct(
-                        [
-                            v
-                            for r in runs
-                            for v in [_accuracy(r, node, _final_step(r))]
-                            if v is not None
-                        ]
+                    *(
+                        fmt_pct([v for r in runs for v in [f(r, node, step(r))] if v is not None])
+                        for f, step in (
+                            (solved, lambda r: 0),
+                            (solved, _final_step),
+                            (_mean_reward, _final_step),
+                        )
                     ),
                     *cells,
                 ]
@@ -131,8 +147,9 @@ def arm_table(page: Page) -> list[str]:
         "sampler",
         "loss",
         "seeds",
-        "accuracy step 0 (%)",
-        "accuracy final (%)",
+        "solved step 0 (%)",
+        "solved final (%)",
+        "mean reward final (%)",
         "mismatch k3 (x 1e-3)",
         "filtered (%)",
         "IS weight mean",
@@ -156,12 +173,16 @@ def difference_table(page: Page) -> tuple[list[str], str]:
             a = _outcomes(runs, page.out_dir, node)
             b = _outcomes(base_runs, page.out_dir, node)
             rows.append([a_label, b_label, f"`{node}`", diffs.cell(label, a, b)])
-    header = ["arm (A)", "compared with (B)", "node", "final accuracy: A − B (points)"]
+    header = ["arm (A)", "compared with (B)", "node", "final solved share: A − B (points)"]
     return _table(header, rows), diffs.summary()
 
 
 ARM_NOTE = (
-    "Greedy accuracy on the config's held-out test split, mean ± sample std over seeds. The "
+    "Solved: the share of the config's held-out test problems whose greedy reward is above 0 "
+    "(evals.jsonl), what the paired differences compare; mean reward: the greedy reward's mean "
+    "over those problems (`eval/accuracy`), the same number where the reward is 0/1 (the "
+    "default config) and above it where the task gives partial credit (reasoning-gym, "
+    "smollm2). Both mean ± sample std over seeds. The "
     "mismatch, filter and IS-weight columns are means over the RL steps that ran an update (then "
     "seeds) of each step's value: k3 between the trainer's (float32) and the sampler's log-probs of the node's own "
     "tokens, at the weights they were sampled with (logged only when the sampler runs on a "
