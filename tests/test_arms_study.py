@@ -194,12 +194,11 @@ def test_population_document_numbers(tmp_path):
     alone = lines["CoRP add alone (consolidated, 64 members)"]
     assert "| 22.0 ± 0.0 | CoRP pooled | 25.0 ± 0.0 | +3.0 ± 0.0 | 75 |" in alone
     # the same comparisons with intervals, seeds paired. CoRP pooled - GRPO at its tokens:
-    # -10 (seed 0), -20 (seed 1) points; a bootstrap over 2 seeds draws the mean of (-10, -10),
-    # (-10, -20), (-20, -10) or (-20, -20), each of the extremes with probability 1/4 > 2.5%, so
-    # the 95% interval is [-20, -10]. Against theta_0 +5 on both seeds: [+5, +5], bold (it
-    # excludes zero). The alone party: +3 on both seeds.
+    # -10 (seed 0), -20 (seed 1) points: mean -15, sd 7.07, and the 95% t interval with 1 degree
+    # of freedom is -15 +- 12.706 x 7.07 / sqrt(2) = [-78.5, +48.5], not bold. Against theta_0 +5
+    # on both seeds: [+5, +5], bold (it excludes zero). The alone party: +3 on both seeds.
     m = "\u2212"
-    assert f"| CoRP pooled | **+5.0 [+5.0, +5.0]** | **{m}15.0 [{m}20.0, {m}10.0]** | 2 |" in paired
+    assert f"| CoRP pooled | **+5.0 [+5.0, +5.0]** | {m}15.0 [{m}78.5, +48.5] | 2 |" in paired
     alone_row = (
         "| CoRP add alone (consolidated, 64 members) | CoRP pooled | **+3.0 [+3.0, +3.0]** | 2 |"
     )
@@ -567,10 +566,9 @@ def test_swarm_document_numbers(tmp_path):
 def test_swarm_churn_table_pairs_peers_and_gives_no_interval_for_one_seed(tmp_path):
     """The churn run of test_swarm_document_numbers against the same peers without churn. Gains
     (last minus first evaluation): with churn p0 +10, p1 -10, p2 +10, p3 +10 points; without,
-    +10 each. Churn minus no churn, paired by peer: 0, -20, 0, 0 -> mean -5.0. A bootstrap over
-    the 4 peers draws k copies of -20 with k ~ Binomial(4, 1/4): P(k = 0) = 81/256 > 2.5%, so the
-    upper end is 0.0; P(k = 4) = 1/256 < 2.5% < P(k >= 3) = 13/256, so the lower end is the
-    mean at k = 3, -15.0. One seed: no interval over seeds."""
+    +10 each. Churn minus no churn, paired by peer: 0, -20, 0, 0 -> mean -5.0, sd 10, and the 95%
+    t interval over the 4 peers (3 degrees of freedom) is -5 +- 3.182 x 10 / 2 = [-20.9, +10.9].
+    One seed: no interval over seeds."""
     nodes = [{"name": f"p{i}", "model": {"preset": "llama-xs"}} for i in range(4)]
     cfg = {
         "name": "sw",
@@ -609,6 +607,6 @@ def test_swarm_churn_table_pairs_peers_and_gives_no_interval_for_one_seed(tmp_pa
         (tmp_path / "out" / run.id / "study-run.json").write_text(json.dumps({"status": "done"}))
     text = write_arms_results(study).read_text()
     m = "\u2212"
-    row = f"| churn | steady | llama-xs | n/a (1 seed) | {m}5.0 [{m}15.0, 0.0] | 1 | 4 |"
+    row = f"| churn | steady | llama-xs | n/a (1 seed) | {m}5.0 [{m}20.9, +10.9] | 1 | 4 |"
     assert row in text
     assert "None of the 1 intervals excludes zero." in text

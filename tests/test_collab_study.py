@@ -108,19 +108,20 @@ def test_collab_document_pairs_by_seed_and_problem(tmp_path):
     # accuracy: alone a 25.0 ± 0.0 at both seeds; hacpo a (50 + 75)/2 = 62.5, sd 17.7
     assert "| Alone | 0.0 ± 0.0 -> 25.0 ± 0.0 (2) | 0.0 ± 0.0 -> 100.0 ± 0.0 (2) |" in text
     assert "| HACPO | 0.0 ± 0.0 -> 62.5 ± 17.7 (2) |" in text
-    # node a: +37.5 [0, 87.5] at equal steps (not bold: zero is inside);
-    # node b: identical outcomes at equal steps -> exactly 0 [0, 0], no verdict; at equal tokens
-    # alone is read halfway between all wrong and all right (0.5 on every problem, every seed):
-    # exactly +50 [+50, +50].
+    # node a: per-seed differences +25 and +50 at equal steps: +37.5, and the 95% t interval with
+    # 1 degree of freedom is 37.5 +- 12.706 x 17.68 / sqrt(2) = [-121.3, +196.3] (not bold: two
+    # seeds resolve almost nothing); node b: identical outcomes at equal steps -> exactly
+    # 0 [0, 0], no verdict; at equal tokens alone is read halfway between all wrong and all right
+    # (0.5 on every problem, every seed): exactly +50 [+50, +50] on both seeds, bold.
     row_a = next(line for line in text.splitlines() if line.startswith("| HACPO | a |"))
-    assert "| +37.5 [0.0, +87.5] |" in row_a
+    m = "\u2212"
+    assert f"| +37.5 [{m}121.3, +196.3] |" in row_a
     row_b = next(line for line in text.splitlines() if line.startswith("| HACPO | b |"))
     assert row_b == "| HACPO | b | 0.0 [0.0, 0.0] | **+50.0 [+50.0, +50.0]** (better) |"
     # equal tokens: hacpo's 100 tokens at step 2 meet alone's curve halfway between step 0 (all
-    # 0) and step 2: alone's value there is half its final outcomes, so a's difference is
-    # mean over seeds of (hacpo - alone / 2): s0 0.5 - 0.125, s1 0.75 - 0.125 -> +50.0; every
-    # column of d is now >= 0 with problem 1's at +0.5 at both seeds: the interval excludes 0
-    assert row_a.endswith("| **+50.0 [+12.5, +87.5]** (better) |")
+    # 0) and step 2: alone's value there is half its final outcomes, so a's differences are
+    # s0 0.5 - 0.125, s1 0.75 - 0.125 -> +37.5 and +62.5: +50.0 +- 12.706 x 17.68 / sqrt(2)
+    assert row_a.endswith(f"| +50.0 [{m}108.8, +208.8] |")
     # HACPO's figures: capability 0.2 -> 0.4 (steps 1, 2), omega 1.5, 25% clipped
     assert "| a | 0.20 -> 0.40 | 0.50 -> 0.50 | 1.50 | 25.0% |" in text
     assert (tmp_path / "collab-test-plots" / "accuracy.png").exists()

@@ -375,14 +375,14 @@ def test_tiny_sweep_through_the_cli(tmp_path):
     assert res.exit_code == 0 and res.output.count("done") == 2
 
 
-def test_interval_table_matches_a_bootstrap_worked_by_hand(tmp_path):
+def test_interval_table_matches_a_t_interval_worked_by_hand(tmp_path):
     """The paired-difference table of hand-written runs. Node a: F-TIS ends 1, 2 and 3 points
-    above Alone on seeds 0, 1, 2. The mean is +2.0; a bootstrap over 3 seeds draws a mean in
-    {1, 4/3, 5/3, 2, 7/3, 8/3, 3}, the extremes each with probability 1/27 = 3.7% > 2.5%, so the
-    95% percentile interval is exactly [+1.0, +3.0]: it excludes zero (bold). Equal tokens: the
-    pair's node generated 150 tokens by its last step; Alone's curve is 0.1 at 0 tokens and 0.5
-    at 300, so at 150 it is 0.3 and the differences are +21, +22, +23 -> +22.0 [+21.0, +23.0].
-    Node b: no difference on any seed -> 0.0 [0.0, 0.0], not bold. One seed: no interval."""
+    above Alone on seeds 0, 1, 2. The mean is +2.0, the sd 1.0, and the 95% t interval with 2
+    degrees of freedom is 2 +- 4.303 x 1 / sqrt(3) = [-0.48, +4.48]: it includes zero (not bold).
+    Equal tokens: the pair's node generated 150 tokens by its last step; Alone's curve is 0.1 at
+    0 tokens and 0.5 at 300, so at 150 it is 0.3 and the differences are +21, +22, +23 ->
+    +22.0 [+19.5, +24.5] (bold). Node b: no difference on any seed -> 0.0 [0.0, 0.0], not bold.
+    One seed: no interval."""
     study = load_study(_write_study(tmp_path))
     out = study.out_dir
     runs = {r.id: r for r in study.runs}
@@ -403,16 +403,17 @@ def test_interval_table_matches_a_bootstrap_worked_by_hand(tmp_path):
     text = (tmp_path / "RESULTS.md").read_text()
     paired = text[text.index("## Paired differences") : text.index("## Curves")]
     assert _cells(paired, "| pair | F-TIS | a |")[3:] == [
-        "**+2.0 [+1.0, +3.0]**",  # test, equal steps
-        "**+22.0 [+21.0, +23.0]**",  # test, equal tokens
-        "**+1.0 [+0.5, +1.5]**",  # ood (a / 2 at the end in the fake rows): +0.5, +1, +1.5
+        "+2.0 [−0.5, +4.5]",  # test, equal steps
+        "**+22.0 [+19.5, +24.5]**",  # test, equal tokens
+        "+1.0 [−0.2, +2.2]",  # ood (a / 2 at the end in the fake rows): +0.5, +1, +1.5
         # ood at 150 tokens: Alone's ood curve is 0 at step 0 and 0.25 at 300 tokens -> 0.125;
-        # F-TIS's ood is 0.255, 0.26, 0.265 -> +13.0, +13.5, +14.0
-        "**+13.5 [+13.0, +14.0]**",
+        # F-TIS's ood is 0.255, 0.26, 0.265 -> +13.0, +13.5, +14.0 -> 13.5 +- 4.303 x 0.5 / sqrt(3)
+        "**+13.5 [+12.3, +14.7]**",
         "3",
     ]
     assert _cells(paired, "| pair | F-TIS | b |")[3] == "0.0 [0.0, 0.0]"
     assert _cells(paired, "| pair | NoIS | a |")[3:] == ["n/a (1 seed)"] * 4 + ["1"]
     # b at equal tokens: 0.6 against Alone's 0.35 (test) and 0.3 against 0.15 (ood) on every
-    # seed, so 6 of the 8 intervals with two or more seeds are bold (the NoIS cells are 1 seed)
-    assert "6 of the 8 intervals exclude zero (bold): 6 better, 0 worse." in paired
+    # seed (a zero-width interval), so with a's two equal-token cells 4 of the 8 intervals with two
+    # or more seeds are bold (the NoIS cells are 1 seed)
+    assert "4 of the 8 intervals exclude zero (bold): 4 better, 0 worse." in paired
