@@ -124,4 +124,8 @@ def test_a_gated_run_sends_successes_and_drops_a_peers_failures(tmp_path):
         dropped += b["exchange/gated_failures_dropped"]
         kept = b["exchange/sequences_received"]
         assert kept + b["exchange/gated_failures_dropped"] == own
+        # the update's N counts every withheld failure (docs/math.md §17): b's are a's
+        # completions it dropped; a's are what b did not send
+        assert b["exchange/withheld_counted"] == b["exchange/gated_failures_dropped"]
+        assert a["exchange/withheld_counted"] == own - b["exchange/gated_sent"]
     assert dropped > 0  # a 150-step warm start answers some sums wrong

@@ -494,3 +494,28 @@ def test_hacpo_round_passes_own_mask_discrepancy_and_a_rising_clip_bound(monkeyp
         # a mini-batch's own mask and omega agree with each other: omega 2.5 exactly on peers
         assert torch.equal(omega, torch.where(own, 1.0, 2.5))
     assert sum(int((~c[1]).sum()) for c in calls) == 2 * int((batch.generator == 1).sum())
+
+
+@pytest.mark.parametrize("mb", [0, 5])
+def test_withheld_failures_count_in_the_update_scale(mb):
+    """Success-gated sharing (docs/math.md §17): a batch missing W withheld completions, updated
+    with withheld=W, steps with the gradient of the full batch in which those W rows carry no
+    advantage: N counts them, so a sequence's term weighs what full sharing gives it."""
+    node = _node("f-tis")
+    batch = _batch(node)
+    batch.sampler_logprobs = batch.sampler_logprobs - 0.3 * batch.mask
+    adv = torch.linspace(-1, 1, batch.num_sequences)
+    gone = torch.zeros(batch.num_sequences, dtype=torch.bool)
+    gone[[2, 3, 9]] = True  # withheld: never received
+    full_adv = torch.where(gone, torch.zeros_like(adv), adv)
+    full = _grads_after_update(node, batch, full_adv, mb=mb)
+    gated = _grads_after_update(
+        node, batch.select(~gone), adv[~gone], mb=mb, withheld=float(gone.sum())
+    )
+    naive = _grads_after_update(node, batch.select(~gone), adv[~gone], mb=mb)
+    for a, b in zip(full, gated):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    # without the count the gradient is N / (N - W) times larger: the test can fail
+    ratio = batch.num_sequences / (batch.num_sequences - 3)
+    for a, b in zip(full, naive):
+        torch.testing.assert_close(ratio * a, b, atol=1e-6, rtol=1e-5)

@@ -51,6 +51,7 @@ def update(
     own: torch.Tensor | None = None,
     peer_scale: torch.Tensor | None = None,
     update_index: int = 0,
+    withheld: float = 0.0,
 ) -> dict[str, float]:
     """One optimizer step on `batch`: receiver log-probs, policy loss, backward, clip, step.
 
@@ -78,6 +79,12 @@ def update(
     the loss's peer treatment (policy shaping, HACPO's peer term). peer_scale: (N,) HACPO's
     discrepancy coefficient per sequence. update_index: m, the optimizer updates already made
     on this round's batch (HACPO's stepwise clip lower bound rises with it).
+
+    withheld: members of the batch's groups that are not in it (success-gated sharing's withheld
+    failures, docs/math.md §17), counted in N: the accumulated gradient and the loss are scaled
+    by N / (N + withheld), so each sequence's term has the weight full sharing gives it and the
+    update's scale does not grow as a peer sends less. Not under filter_mode "drop", which
+    already divides by the sequences kept.
 
     loss_cfg.beta > 0 adds beta x the k3 KL to the node's reference (`Node.reference`), scored
     without grad per micro-batch at the same temperature, averaged like the loss (docs/math.md
@@ -299,6 +306,14 @@ def update(
                 if p.grad is not None:
                     p.grad.mul_(scale)
             totals["loss"] *= scale
+        elif withheld > 0:
+            scale = n_total / (n_total + withheld)
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+            totals["loss"] *= scale
+            if "kl" in totals:
+                totals["kl"] *= scale
     totals["active_frac"] = n / n_total if n_total else 0.0
     if track_mismatch and mismatch[1]:
         totals["sampler_mismatch_k3"] = mismatch[0] / mismatch[1]
@@ -407,6 +422,7 @@ def train_on_round(
     step: int,
     own: torch.Tensor | None = None,
     peer_scale: torch.Tensor | None = None,
+    withheld: int = 0,
 ) -> tuple[dict[str, float], int]:
     """The optimizer steps of one generation round: one on the whole batch by default, else
     `train.update_epochs` passes of `train.mini_batches` shuffled mini-batches. Advantages and
@@ -415,7 +431,8 @@ def train_on_round(
     *_max, minima for *_min, `train/optimizer_steps`, and `train/no_signal`: 1 when no
     advantage was non-zero, so no step was taken; the number of steps skipped as non-finite: the
     others still run). `own` and `peer_scale` are per sequence of `batch`, as in `update`; the
-    m-th optimizer step of the round gets update_index m."""
+    m-th optimizer step of the round gets update_index m. `withheld`: the round's withheld
+    failures (success-gated sharing), counted in every step's N pro rata of its mini-batch."""
     if not bool((advantages != 0).any()):
         # No usable group (every group skipped, or all rewards equal in each): the gradient is
         # exactly 0, yet an optimizer step would still move the weights (Adam's moments, weight
@@ -455,6 +472,7 @@ def train_on_round(
                     own=part_own,
                     peer_scale=part_scale,
                     update_index=m,
+                    withheld=withheld * part.num_sequences / batch.num_sequences,
                 )
             )
         except NonFiniteError as e:

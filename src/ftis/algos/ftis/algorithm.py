@@ -342,7 +342,12 @@ class FTISAlgorithm:
                 adv = adv * trust_scale.to(adv.device, adv.dtype)
         metrics.update(screened)
         with self.timer("update"):
-            metrics.update(self._update(batch, adv, step, peer_scale=peer_scale))
+            # the withheld failures of the groups that train count in N (docs/math.md §17)
+            present = set(batch.prompt_index.tolist())
+            held = sum(c for (p, _), c in (withheld or {}).items() if p in present)
+            metrics.update(self._update(batch, adv, step, peer_scale=peer_scale, withheld=held))
+        if withheld is not None:
+            metrics["exchange/withheld_counted"] = float(held)
         if self.hacpo is not None and metrics.get("loss/peer_frac", 0.0) > 0:
             # the fraction of peers' (active) samples whose ratio fell outside the clip window
             metrics["hacpo/clipped_fraction"] = (
@@ -428,6 +433,7 @@ class FTISAlgorithm:
         step: int,
         *,
         peer_scale: torch.Tensor | None = None,
+        withheld: int = 0,
     ) -> dict[str, float]:
         out, skipped = train_on_round(
             self.node,
@@ -438,6 +444,7 @@ class FTISAlgorithm:
             step=step,
             own=batch.generator == self.rank,
             peer_scale=peer_scale,
+            withheld=withheld,
         )
         out["train/skipped_update"] = skipped
         self.counters["skipped_updates_total"] += skipped
