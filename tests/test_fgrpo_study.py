@@ -340,4 +340,4 @@ def test_tiny_study_end_to_end(tmp_path, monkeypatch) -> None:
     assert res.exit_code == 0, res.output
     assert metrics.stat().st_mtime_ns == before and (out / "central-s0" / CLIENT_EVAL).exists()
     res = runner.invoke(app, ["sweep", str(path), "--dry-run"])
-    assert res.exit_code == 0 and res.output.count("done") == 5
+    assert res.exit_code == 0 and res.output.count("│ done") == 5

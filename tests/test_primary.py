@@ -38,7 +38,7 @@ PRIMARY = [
 
 
 def _study(tmp_path: Path, primary) -> Path:
-    spec = yaml.safe_load((ROOT / "studies" / "real.yaml").read_text())
+    spec = yaml.safe_load((ROOT / "studies" / "real-pilot.yaml").read_text())
     spec["primary"] = primary
     spec["out"] = str(RUNS)
     spec["report"] = str(tmp_path / "real.md")

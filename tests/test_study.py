@@ -372,7 +372,8 @@ def test_tiny_sweep_through_the_cli(tmp_path):
     res = runner.invoke(app, ["sweep", str(path), "--report-only"])
     assert res.exit_code == 0, res.output
     res = runner.invoke(app, ["sweep", str(path), "--dry-run"])
-    assert res.exit_code == 0 and res.output.count("done") == 2
+    assert res.exit_code == 0 and res.output.count("│ done") == 2
+    assert "estimate: every selected run is done" in res.output
 
 
 def test_interval_table_matches_a_t_interval_worked_by_hand(tmp_path):
@@ -417,3 +418,27 @@ def test_interval_table_matches_a_t_interval_worked_by_hand(tmp_path):
     # seed (a zero-width interval), so with a's two equal-token cells 4 of the 8 intervals with two
     # or more seeds are bold (the NoIS cells are 1 seed)
     assert "4 of the 8 intervals exclude zero (bold): 4 better, 0 worse." in paired
+
+
+def test_dry_run_estimates_the_time_left_from_the_done_runs_of_each_variant(tmp_path):
+    """`ftis sweep --dry-run`'s last line: each run left at the mean seconds of the done runs of
+    its variant; a variant with none done at the mean of every done run, and said so."""
+    from ftis.study.engine import estimate
+
+    study = load_study(_write_study(tmp_path))
+    assert "no run is done yet" in estimate(study)
+    times = {"pair-alone-a-s0": 100.0, "pair-alone-b-s0": 300.0, "pair-nois-s0": 1000.0}
+    for r in study.runs:
+        if r.id in times:
+            _fake_metrics(study.out_dir / r.id, r.config, {"a": 0.5, "b": 0.6})
+            meta = {"status": "done", "seconds": times[r.id]}
+            (study.out_dir / r.id / "study-run.json").write_text(json.dumps(meta))
+    left = [r for r in study.runs if r.id not in times]
+    alone = sum(r.variant == "alone" for r in left)  # 4 left at (100 + 300) / 2
+    nois = sum(r.variant == "nois" for r in left)  # 2 left at 1000
+    other = len(left) - alone - nois  # at the mean of the three done, 1400 / 3
+    total = alone * 200 + nois * 1000 + other * 1400 / 3
+    line = estimate(study)
+    assert f"{len(left)} run(s) to do, about {total / 3600:.1f} h" in line
+    assert f"; {other} of a variant with no done run" in line
+    assert estimate(study, only="pair-alone-a-s0") == "estimate: every selected run is done"

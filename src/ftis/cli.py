@@ -471,7 +471,7 @@ def sweep(
     _setup_logging(verbose)
     from ftis.study import StudyError
     from ftis.study.engine import dry_run as plan_table
-    from ftis.study.engine import load_study, run_study, write_results
+    from ftis.study.engine import estimate, load_study, run_study, write_results
 
     try:
         st = load_study(study)
@@ -480,6 +480,7 @@ def sweep(
     if dry_run:
         header, rows = plan_table(st, out_dir=out, only=only)
         _print_table(header, rows, title=f"study {st.spec.name}")
+        console.print(estimate(st, out_dir=out, only=only))
         return
     failed = {}
     if not report_only:

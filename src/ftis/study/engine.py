@@ -85,6 +85,43 @@ def plan_table(
     return ["run", variant, "seed", "status"], rows
 
 
+def estimate(study: Any, *, out_dir: Path | None = None, only: str | None = None) -> str:
+    """One line for `--dry-run`: the time the selected runs not yet done would take on this
+    machine, from the seconds the done runs of the same variant took (their study-run.json);
+    a variant with no done run is counted at the mean of all done runs, and said so."""
+    rows = plan(study, out_dir=out_dir, only=only)
+    base = Path(out_dir) if out_dir else study.out_dir
+    done: dict[str, list[float]] = {}
+    left = []
+    for run, status in rows:
+        key = str(getattr(run, "variant", ""))
+        if status == "done":
+            meta = runner.read_meta(base / run.id)
+            if isinstance(meta.get("seconds"), (int, float)):
+                done.setdefault(key, []).append(float(meta["seconds"]))
+        else:
+            left.append(key)
+    if not left:
+        return "estimate: every selected run is done"
+    if not done:
+        return (
+            f"estimate: {len(left)} run(s) to do; no run is done yet, so no time estimate "
+            "(the first runs' times give one)"
+        )
+    every = [x for xs in done.values() for x in xs]
+    overall = sum(every) / len(every)
+    guessed = sum(1 for k in left if k not in done)
+    total = sum(sum(done[k]) / len(done[k]) if k in done else overall for k in left)
+    line = (
+        f"estimate: {len(left)} run(s) to do, about {total / 3600:.1f} h one at a time on this "
+        f"machine (each at the mean time of the done runs of its variant, from {len(every)} "
+        "done run(s)"
+    )
+    if guessed:
+        line += f"; {guessed} of a variant with no done run, at the mean of all done runs"
+    return line + ")"
+
+
 def dry_run(
     study: Any, *, out_dir: Path | None = None, only: str | None = None
 ) -> tuple[list[str], list[list[str]]]:

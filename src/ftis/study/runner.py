@@ -39,6 +39,15 @@ STUDY_LOG = "study.json"  # written into the study's folder: one entry per `ftis
 Status = Literal["done", "incomplete", "todo"]
 
 
+def read_meta(run_dir: Path) -> dict:
+    """A run's study-run.json ({} when it is missing or unreadable)."""
+    try:
+        meta = json.loads((Path(run_dir) / RUN_META).read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
 def run_status(run_dir: Path, cfg: RunConfig) -> Status:
     """'done' when metrics.jsonl has step == train.steps for every node of `cfg`, or when the
     sweep recorded the run as done (study-run.json; a swarm peer that left for good by plan has
