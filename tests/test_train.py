@@ -410,6 +410,8 @@ def test_a_round_without_a_usable_group_takes_no_optimizer_step():
         node, TASK, batch, torch.zeros(batch.num_sequences), train=TrainConfig(), step=2
     )
     assert (out["train/optimizer_steps"], out["train/no_signal"], skipped) == (0.0, 1.0, 0)
+    # what the loss did not compute is absent, never 0.0 (issue 55: a plot drew the zeros)
+    assert out == {"loss/active_frac": 0.0, "train/optimizer_steps": 0.0, "train/no_signal": 1.0}
     for a, b in zip(before, node.model.parameters()):
         assert torch.equal(a, b)
     assert [s["step"] for s in node.optimizer.state.values()] == adam_step
@@ -417,6 +419,24 @@ def test_a_round_without_a_usable_group_takes_no_optimizer_step():
         node, TASK, batch, torch.linspace(-1, 1, batch.num_sequences), train=TrainConfig(), step=3
     )
     assert (out["train/optimizer_steps"], out["train/no_signal"]) == (1.0, 0.0)
+    assert {"loss/loss", "loss/is_weight_mean", "loss/grad_norm"} <= out.keys()
+
+
+def test_an_update_over_no_sequence_logs_no_loss_quantity():
+    """Every advantage of the mini-batch is 0: Adam steps on the zero gradient (as documented),
+    but the loss's value, IS weights and fractions were computed over no sequence: left out."""
+    node = _node("f-tis")
+    batch = _batch(node)
+    m = update_mod.update(
+        node,
+        TASK,
+        batch,
+        torch.zeros(batch.num_sequences),
+        loss_cfg=node.cfg.loss,
+        micro_batch_size=0,
+    )
+    assert m["active_frac"] == 0.0 and m["grad_norm"] == 0.0
+    assert not {"loss", "is_weight_mean", "filtered_frac", "kept_sequences"} & m.keys()
 
 
 def test_a_node_without_signal_stops_after_the_configured_number_of_steps(tmp_path, monkeypatch):
@@ -450,7 +470,8 @@ def test_a_node_without_signal_stops_after_the_configured_number_of_steps(tmp_pa
     assert [r["train/no_signal"] for r in steps] == [1.0, 1.0, 1.0]
     assert [r["train/no_signal_streak"] for r in steps] == [1.0, 2.0, 3.0]
     assert all(r["train/optimizer_steps"] == 0.0 for r in steps)
-    assert all("loss/filtered_frac" in r and "loss/grad_norm" in r for r in steps)  # same keys
+    # what no update computed is absent from the row, never 0.0 (issue 55)
+    assert not any("loss/filtered_frac" in r or "loss/grad_norm" in r for r in steps)
     for a, b in zip(seen["start"], seen["node"].model.parameters()):
         assert torch.equal(a, b)
     assert checkpoint_step(tmp_path / "nodes" / "xs") == 3

@@ -287,15 +287,11 @@ def update(
     params = [p for p in node.model.parameters() if p.requires_grad]
     if n == 0:
         # Nothing to run: the exact gradient is 0. Adam still steps (its moments move), as it
-        # would have after a full backward pass of zeros.
+        # would have after a full backward pass of zeros. The loss's own quantities (its value,
+        # IS weights, clip and filter fractions) were not computed over any sequence, so they
+        # are left out of the metrics, never written as 0 (issue 55).
         for p in params:
             p.grad = torch.zeros_like(p)
-        # The loss's own metrics over no sequence, so that every row carries the same loss/* keys.
-        totals.update(_empty_loss_metrics(loss_cfg.method, n_total))
-        if beta > 0:
-            totals["kl"] = 0.0
-        if reco and loss_cfg.reco_token_ratio:
-            totals.update(variance_ratio_mean=0.0, variance_ratio_max=0.0)
     else:
         filtered_count = totals.get("filtered_frac", 0.0) * n_exact + bridge_sums["filtered"]
         totals["filtered_frac"] = filtered_count / n_total
@@ -319,9 +315,10 @@ def update(
         totals["sampler_mismatch_k3"] = mismatch[0] / mismatch[1]
     if n_bridged or batch.bridged is not None:
         totals["bridge_sequences"] = float(n_bridged)
-        totals["bridge_weight_mean"] = bridge_sums["weight"] / n_bridged if n_bridged else 0.0
         totals["bridge_filtered"] = bridge_sums["filtered"]
-        totals["bridge_filter_stat_mean"] = bridge_sums["stat"] / n_bridged if n_bridged else 0.0
+        if n_bridged:  # means over no bridged sequence are left out
+            totals["bridge_weight_mean"] = bridge_sums["weight"] / n_bridged
+            totals["bridge_filter_stat_mean"] = bridge_sums["stat"] / n_bridged
         if n_bridged and "peer_frac" in totals:
             # HACPO: every bridged sequence is a peer's; peer_frac and peer_clipped_frac then
             # count the exact and the bridged peers over every sequence that ran
@@ -329,9 +326,9 @@ def update(
             exact_clipped = totals["peer_clipped_frac"] * n_exact
             totals["peer_frac"] = (exact_peers + n_bridged) / n
             totals["peer_clipped_frac"] = (exact_clipped + bridge_sums["clipped"]) / n
-    if sequence_weights is not None:
-        totals["reco_weight_max"] = float(sequence_weights.max()) if n else 0.0
-        totals["reco_weight_min"] = float(sequence_weights.min()) if n else 0.0
+    if sequence_weights is not None and n:
+        totals["reco_weight_max"] = float(sequence_weights.max())
+        totals["reco_weight_min"] = float(sequence_weights.min())
     grad_norm = torch.nn.utils.clip_grad_norm_(params, node.cfg.optim.grad_clip)
     if not torch.isfinite(grad_norm):
         node.optimizer.zero_grad(set_to_none=True)
@@ -436,10 +433,11 @@ def train_on_round(
     if not bool((advantages != 0).any()):
         # No usable group (every group skipped, or all rewards equal in each): the gradient is
         # exactly 0, yet an optimizer step would still move the weights (Adam's moments, weight
-        # decay) with no training signal. No step; the row says so (issue 22).
+        # decay) with no training signal. No step; the row says so (issue 22). The loss's
+        # quantities were not computed, so the row leaves them out (issue 55); only the share of
+        # sequences that would have trained, 0, is a measurement.
         log.warning("node %s step %d: no usable group; no optimizer step", node.name, step)
-        out = {f"loss/{k}": v for k, v in _no_step_metrics(node.cfg.loss, batch).items()}
-        return {**out, "train/optimizer_steps": 0.0, "train/no_signal": 1.0}, 0
+        return {"loss/active_frac": 0.0, "train/optimizer_steps": 0.0, "train/no_signal": 1.0}, 0
     loss_cfg = node.cfg.loss
     weights = response_weights(batch, loss_cfg, group_size=train.group_size)
     plan = round_plan(
@@ -484,31 +482,3 @@ def train_on_round(
     out["train/optimizer_steps"] = float(len(done))
     out["train/no_signal"] = 0.0
     return out, skipped
-
-
-def _no_step_metrics(loss_cfg: LossConfig, batch: RolloutBatch) -> dict[str, float]:
-    """The metrics `update` reports for a batch with no sequence to run (the loss's own over
-    no sequence, 0 as for any empty mask), so that a round without an optimizer step carries
-    the same loss/* keys as any other."""
-    out = _empty_loss_metrics(loss_cfg.method, batch.num_sequences)
-    if loss_cfg.beta > 0:
-        out["kl"] = 0.0
-    if resolve_method(loss_cfg.method)[0] == "reco":
-        if loss_cfg.reco_token_ratio:
-            out.update(variance_ratio_mean=0.0, variance_ratio_max=0.0)
-        if loss_cfg.reco_response_weights:
-            out.update(reco_weight_max=0.0, reco_weight_min=0.0)
-    return {**out, "active_frac": 0.0, "grad_norm": 0.0}
-
-
-def _empty_loss_metrics(method: str, num_sequences: int) -> dict[str, float]:
-    """The loss's own metrics over no sequence (0, as for any empty mask)."""
-    _, empty = policy_loss(
-        torch.zeros(0, 1),
-        torch.zeros(0, 1),
-        torch.zeros(0),
-        torch.zeros(0, 1, dtype=torch.bool),
-        method=method,
-        num_sequences=num_sequences,
-    )
-    return {k: float(v) for k, v in empty.items()}

@@ -169,10 +169,12 @@ class FTISAlgorithm:
             metrics.update(self.gate_metrics)
         if self.bridged_peers:
             metrics.update(bridge_metrics)
-            # over the bridged sequences the update ran (non-zero advantage); 0 when none did
+            # over the bridged sequences the update ran (non-zero advantage): counts are 0 when
+            # none did; their mean weight is then not computed and left out
             metrics["bridge/weighted"] = metrics.get("loss/bridge_sequences", 0.0)
-            metrics["bridge/mean_weight"] = metrics.get("loss/bridge_weight_mean", 0.0)
             metrics["bridge/filtered"] = metrics.get("loss/bridge_filtered", 0.0)
+            if "loss/bridge_weight_mean" in metrics:
+                metrics["bridge/mean_weight"] = metrics["loss/bridge_weight_mean"]
         return metrics
 
     def _successes(self, own: RolloutBatch) -> RolloutBatch:
