@@ -104,3 +104,53 @@ def test_a_full_fine_tuned_node_exports_its_checkpoint_weights(tmp_path):
     want = AutoModelForCausalLM.from_pretrained(run_dir / "nodes" / "xs" / "step-000001" / "model")
     for k, v in want.state_dict().items():
         assert torch.equal(got[k], v), k
+
+
+def test_export_needs_no_reward_module_and_writes_a_model_card(tmp_path, monkeypatch):
+    """A run trained with a reward from a module of the user's (issue 55): from a place where
+    that module cannot be imported, export still works (it reads the weights, the model and
+    tokenizer sources and the prompt format, not the reward), and the export's README.md says
+    what the model is, how it was trained, the run's last evaluation and the commands."""
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    mod = tmp_path / "mods"
+    mod.mkdir()
+    (mod / "my_reward_mod.py").write_text(
+        "def score(prompt, completion, fields):\n    return float(completion.strip() == fields['answer'])\n"
+    )
+    monkeypatch.syspath_prepend(str(mod))
+    data = tiny_run_config(steps=1)
+    data["task"]["reward"] = [{"function": "my_reward_mod:score"}]
+    data["eval"] = {"every": 0, "size": 8, "pass_samples": 0}
+    cfg = RunConfig.model_validate(data)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    train_node(cfg, rank=0, run_dir=run_dir)
+    # the reward's module is gone: a run would refuse the config, export must not
+    monkeypatch.syspath_prepend(str(tmp_path / "elsewhere"))
+    sys.path.remove(str(mod))
+    sys.modules.pop("my_reward_mod", None)
+    from ftis.rewards import _cache
+
+    _cache.pop("my_reward_mod:score", None)
+    from ftis.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="cannot import 'my_reward_mod'"):
+        load_config(run_dir / "config.yaml")
+    res = CliRunner().invoke(app, ["export", str(run_dir), "xs"])
+    assert res.exit_code == 0, res.output
+    out = run_dir / "export" / "xs-step-000001"
+    AutoModelForCausalLM.from_pretrained(out)
+    card = (out / "README.md").read_text()
+    final = [
+        json.loads(x)
+        for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if '"eval/accuracy"' in x
+    ][-1]
+    assert f"## The run's evaluation at step {final['step']} (greedy)" in card
+    assert f"| eval/accuracy | {final['eval/accuracy']:.4g} |" in card
+    assert "| base model | ftis preset llama-xs |" in card and "| steps | 1 of 1 |" in card
+    assert f"ftis export {run_dir} xs --step 1 --out {out}" in card

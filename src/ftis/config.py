@@ -26,7 +26,7 @@ from ftis.core.losses import loss_methods
 from ftis.exchange.wire import check_logprob_format
 from ftis.models.config import ModelConfig
 from ftis.plugins import AlgorithmConfig, get_algorithm
-from ftis.rewards import RewardTerm, normalise_reward_spec
+from ftis.rewards import NO_CODE, RewardTerm, normalise_reward_spec
 from ftis.tasks import ArithmeticTaskConfig, TaskConfig
 from ftis.validation import MODELS, format_validation_error, validate_section
 from ftis.warmstart_config import WarmStartConfig
@@ -717,8 +717,12 @@ def _drop_other_kinds_fields(data: dict[str, Any], overrides: list[str]) -> None
         )
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Read YAML (the embedded default when path is None), apply overrides, validate."""
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, *, import_code: bool = True
+) -> RunConfig:
+    """Read YAML (the embedded default when path is None), apply overrides, validate.
+    import_code=False checks every field but imports no reward function or environment the
+    config names (`ftis export` needs the weights, not the reward's module)."""
     src = Path(path) if path is not None else DEFAULT_CONFIG
     if not src.exists():
         raise ConfigError(f"config file {str(src)!r} does not exist; give a YAML file path")
@@ -739,7 +743,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data = apply_overrides(data, overrides or [])
     _drop_other_kinds_fields(data, overrides or [])
     try:
-        return RunConfig.model_validate(data)
+        return RunConfig.model_validate(data, context=None if import_code else dict(NO_CODE))
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None
 

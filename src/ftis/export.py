@@ -51,7 +51,9 @@ def export_node(
 
     if not (run_dir / "config.yaml").is_file():
         raise ExportError(f"{run_dir} is not a run directory (no config.yaml)")
-    cfg = load_config(run_dir / "config.yaml", [])
+    # the weights, the model and tokenizer sources and the prompt format are all export needs:
+    # the config is checked without importing its reward functions or environments
+    cfg = load_config(run_dir / "config.yaml", [], import_code=False)
     names = [n.name for n in cfg.nodes]
     if node not in names:
         raise ExportError(f"no node {node!r} in {run_dir}; its nodes are: {', '.join(names)}")
@@ -90,6 +92,9 @@ def export_node(
         save_model(model, tmp)
         tokenizer.save_pretrained(tmp)
         loader = _tokenizer_loader(tmp, tokenizer)
+        (tmp / "README.md").write_text(
+            model_card(run_dir, cfg, node, step, prompt_format=prompt_format, out=out)
+        )
         (tmp / "ftis_export.json").write_text(
             json.dumps(
                 {
@@ -128,10 +133,10 @@ def _prompt_format(task_cfg, tok) -> str:
     tokenizer has one (ftis.tasks.base.plain_prompt_ids), so the export's tokenizer adds it
     itself (`add_bos_token`). A chat-templated prompt keeps the model's template, which the
     tokenizer saves."""
-    from ftis.tasks import build_task
+    from ftis.tasks import get_task
 
-    try:
-        task = build_task(task_cfg)
+    try:  # the bare task: its prompts, not its reward
+        task = get_task(task_cfg.kind).build(task_cfg)
         problem = task.split(task.eval_splits[0])[0]
         ids = list(task.prompt_ids(problem, tok))
     except Exception as e:  # a task whose data is gone: export the model all the same
@@ -151,6 +156,88 @@ def _prompt_format(task_cfg, tok) -> str:
     if ids == bare:
         return PLAIN
     return TEMPLATED
+
+
+def model_card(run_dir: Path, cfg, node: str, step: int, *, prompt_format: str, out: Path) -> str:
+    """The export's README.md: what the model is, how it was trained and evaluated, and the
+    commands that made it; every figure is read from the run directory."""
+    node_cfg = next(n for n in cfg.nodes if n.name == node)
+    model = node_cfg.model
+    base = model.name or model.gguf or model.path or f"ftis preset {model.preset}"
+    lora = model.lora
+    task = cfg.task
+    what = getattr(task, "datasets", None) or getattr(task, "skills", None) or getattr(
+        task, "ops", None
+    )
+    peers = [n.name for n in cfg.nodes if n.name != node]
+    method = node_cfg.loss.method
+    lines = [
+        f"# {node} (ftis run `{cfg.name}`, step {step})",
+        "",
+        f"Exported by ftis from `{run_dir}`: node `{node}` at step {step}, a standalone Hugging "
+        "Face model directory (`AutoModelForCausalLM.from_pretrained` loads it"
+        + (", LoRA adapters merged into the base" if lora else "")
+        + ").",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| base model | {base} |",
+        f"| trained | {'LoRA adapters (r ' + str(lora.r) + ', merged)' if lora else 'all weights'} |",
+        f"| algorithm | {cfg.algorithm.kind}, loss `{method}` |",
+        f"| peers | {', '.join(peers) if peers else 'none (trained alone)'} |",
+        f"| task | {task.kind}" + (f": {', '.join(map(str, dict(what)))}" if what else "") + " |",
+        f"| steps | {step} of {cfg.train.steps} |",
+        f"| prompt format | {prompt_format} |",
+        "",
+    ]
+    evals = _final_evaluation(run_dir, node, step)
+    if evals:
+        at, values = evals
+        lines += [
+            f"## The run's evaluation at step {at} (greedy)",
+            "",
+            "| metric | value |",
+            "|---|---|",
+            *(f"| {k} | {v:.4g} |" for k, v in values.items()),
+            "",
+        ]
+    else:
+        lines += ["The run logged no evaluation of this node up to this step.", ""]
+    lines += [
+        "## How it was made",
+        "",
+        "```bash",
+        f"ftis run {run_dir / 'config.yaml'}   # the run's resolved config",
+        f"ftis export {run_dir} {node} --step {step} --out {out}",
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _final_evaluation(run_dir: Path, node: str, step: int) -> tuple[int, dict] | None:
+    """(step, {eval/... metric: value}) of `node`'s last evaluation at or before `step` in
+    metrics.jsonl, or None."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    best: tuple[int, dict] | None = None
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(row, dict) or row.get("node") != node:
+            continue
+        at = row.get("step")
+        vals = {
+            k: float(v)
+            for k, v in row.items()
+            if k.startswith("eval/") and isinstance(v, (int, float)) and not k.startswith("eval/n")
+        }
+        if isinstance(at, int) and at <= step and vals and (best is None or at >= best[0]):
+            best = (at, vals)
+    return best
 
 
 def _tokenizer_loader(path: Path, tok) -> str:

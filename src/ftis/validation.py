@@ -88,11 +88,14 @@ def _unknown_field(model: type[BaseModel] | None, loc: tuple, prefix: str) -> st
     return f"unknown field {dotted!r}; valid fields here: {', '.join(names)}"
 
 
-def validate_section(model: type[BaseModel], value: dict[str, Any], prefix: str) -> Any:
+def validate_section(
+    model: type[BaseModel], value: dict[str, Any], prefix: str, *, context: Any = None
+) -> Any:
     """`value` validated as `model`, a registered kind's config (a run's `task.` or
-    `algorithm.` section, `prefix`): ValueError listing its problems on one line."""
+    `algorithm.` section, `prefix`), under the validation `context`: ValueError listing its
+    problems on one line."""
     try:
-        return model.model_validate(value)
+        return model.model_validate(value, context=context)
     except ValidationError as e:
         raise ValueError(
             format_validation_error(e, header="", indent="", sep="; ", model=model, prefix=prefix)

@@ -46,7 +46,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 RewardFn = Callable[[str, str, Mapping[str, Any]], Any]
 
@@ -282,6 +282,15 @@ def _lookup(name: str) -> RewardFn:
     return fn
 
 
+NO_CODE = {"import_code": False}  # a validation context: check a config without importing its code
+
+
+def imports_code(info: ValidationInfo) -> bool:
+    """Whether this validation imports the functions and environments a config names: not under
+    the context NO_CODE (`ftis export` reads a run's config without the reward's module)."""
+    return not (isinstance(info.context, dict) and info.context.get("import_code") is False)
+
+
 class RewardTerm(BaseModel):
     """One function of a reward and its weight."""
 
@@ -301,8 +310,10 @@ class RewardTerm(BaseModel):
 
     @field_validator("function")
     @classmethod
-    def _importable(cls, v: str) -> str:
+    def _importable(cls, v: str, info: ValidationInfo) -> str:
         v = v.strip()
+        if not imports_code(info):
+            return v
         try:
             if v not in _cache:
                 _cache[v] = _lookup(v)
@@ -316,7 +327,9 @@ class RewardTerm(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _callable_in_its_form(self) -> RewardTerm:
+    def _callable_in_its_form(self, info: ValidationInfo) -> RewardTerm:
+        if not imports_code(info):
+            return self
         try:
             resolve_reward(self.function, batched=self.batched)
         except RewardError as e:

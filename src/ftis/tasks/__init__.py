@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, SerializeAsAny, TypeAdapter, ValidationError
+from pydantic import BeforeValidator, SerializeAsAny, TypeAdapter, ValidationError, ValidationInfo
 
 from ftis.tasks.arithmetic import ArithmeticTask, ArithmeticTaskConfig, ArithmeticVariant
 from ftis.tasks.base import OWN_REWARD, Problem, Task, TaskConfigBase, TaskDataError
@@ -80,8 +80,9 @@ def get_task(kind: str) -> TaskSpec:
     )
 
 
-def _task_config(value: Any) -> Any:
-    """A mapping validated as the registered config class of its `kind` (default arithmetic)."""
+def _task_config(value: Any, info: ValidationInfo) -> Any:
+    """A mapping validated as the registered config class of its `kind` (default arithmetic),
+    under the outer validation's context (`import_code: False` reaches the task's rewards)."""
     if isinstance(value, TaskConfigBase):
         return value
     if value is None:
@@ -91,7 +92,9 @@ def _task_config(value: Any) -> Any:
     kind = str(value.get("kind", "arithmetic"))
     from ftis.validation import validate_section
 
-    return validate_section(get_task(kind).config, {**value, "kind": kind}, "task.")
+    return validate_section(
+        get_task(kind).config, {**value, "kind": kind}, "task.", context=info.context
+    )
 
 
 # What a run config's `task` holds: any registered task's config, chosen by `kind`.

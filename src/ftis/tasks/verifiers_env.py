@@ -36,8 +36,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, model_validator
 
+from ftis.rewards import imports_code
 from ftis.tasks.base import (
     Problem,
     TaskConfigBase,
@@ -96,9 +97,11 @@ class VerifiersTaskConfig(TaskConfigBase):
 
     @model_validator(mode="before")
     @classmethod
-    def _load_first(cls, value: Any) -> Any:
+    def _load_first(cls, value: Any, info: ValidationInfo) -> Any:
         """Load the environment before the fields are checked, so that its rubric's terms are
         registered when `reward` names them (a run directory's config.yaml does)."""
+        if not imports_code(info):
+            return value
         if isinstance(value, Mapping) and isinstance(value.get("env"), str):
             if not value["env"].strip():
                 raise ValueError("env is empty: name an environment ('my_envs:make_env' or an id)")
@@ -108,7 +111,9 @@ class VerifiersTaskConfig(TaskConfigBase):
         return value
 
     @model_validator(mode="after")
-    def _rubric_terms(self) -> VerifiersTaskConfig:
+    def _rubric_terms(self, info: ValidationInfo) -> VerifiersTaskConfig:
+        if not imports_code(info):
+            return self
         loaded = load_env(self.env, self.args)
         if self.reward is None:
             from ftis.rewards import RewardTerm
