@@ -532,6 +532,37 @@ def test_compare_pairs_last_evaluations_by_problem_for_nodes_of_one_name(tmp_pat
     assert paired_final_rows(group, close)[1][0][5] == "no difference detected"
 
 
+def test_compare_pairs_nodes_of_different_names_when_told(tmp_path: Path) -> None:
+    """`ftis compare --pair A=B` (issue 55): node `a` of a group against node `solo` of a run
+    alone; the row names both, the title says so, and a node not in its run is a clear error."""
+    import pytest
+    from typer.testing import CliRunner
+
+    from ftis.cli import app
+    from ftis.report import ReportError, paired_final_rows
+
+    task = {"kind": "arithmetic", "seed": 0}
+    group = _evals_run(tmp_path / "group", task, {"a": [1] * 80 + [0] * 120})
+    alone = _evals_run(tmp_path / "alone", task, {"solo": [1] * 20 + [0] * 180}, step=30)
+    assert paired_final_rows(group, alone)[1] == []  # no node of one name
+    _, rows, why = paired_final_rows(group, alone, pairs={"a": "solo"})
+    assert why == "" and rows[0][0] == "a vs solo" and rows[0][4].startswith("+30.0 [")
+    with pytest.raises(ReportError, match="has no evaluated node 'b'; its nodes: solo"):
+        paired_final_rows(group, alone, pairs={"a": "b"})
+    for run, node, acc in ((group, "a", 0.4), (alone, "solo", 0.1)):
+        rows = [{"step": 0, "node": node, "eval/test/accuracy": 0.0}, {"step": 1, "node": node}]
+        rows.append({"step": 40, "node": node, "eval/test/accuracy": acc})
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = CliRunner().invoke(
+        app,
+        ["compare", str(group), str(alone), "--pair", "a=solo", "--out", str(tmp_path / "c.png")],
+    )
+    assert res.exit_code == 0, res.output
+    assert "node a against node solo" in " ".join(res.output.split())
+    res = CliRunner().invoke(app, ["compare", str(group), str(alone), "--pair", "a"])
+    assert res.exit_code == 2 and "write it as A=B" in res.output
+
+
 def test_compare_refuses_to_pair_runs_of_different_tasks(tmp_path: Path) -> None:
     from ftis.report import paired_final_rows
 

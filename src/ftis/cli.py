@@ -412,20 +412,40 @@ def report(
 def compare(
     run_dirs: Annotated[list[Path], typer.Argument(help="Two or more run directories.")],
     out: Annotated[Path, typer.Option("--out", help="Output PNG.")] = Path("compare.png"),
+    pair: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--pair",
+            help="A=B: pair node A of the first run with node B of each other run (repeatable; "
+            "default: nodes of the same name).",
+        ),
+    ] = None,
 ) -> None:
     """Overlay the accuracy curves of several runs in one plot and print their summaries, then
-    the first run's last evaluation minus each other run's, per node of the same name and split,
-    paired by problem with a 95% interval (runs of the same task only)."""
+    the first run's last evaluation minus each other run's, per node of the same name (or per
+    --pair A=B) and split, paired by problem with a 95% interval (runs of the same task only)."""
     _setup_logging(False)
     from ftis.report import ReportError, compare_runs, load_rows, paired_final_rows, summary_table
 
+    pairs: dict[str, str] = {}
+    for p in pair or []:
+        a, eq, b = p.partition("=")
+        if not eq or not a.strip() or not b.strip():
+            _fail(f"--pair {p!r}: write it as A=B (node A of the first run, node B of the other)")
+        if a.strip() in pairs:
+            _fail(f"--pair: node {a.strip()!r} of the first run is paired twice")
+        pairs[a.strip()] = b.strip()
     try:
         for d in run_dirs:
             header, body = summary_table(load_rows(d))
             _print_table(header, body, title=str(d))
         for other in run_dirs[1:]:
             title = f"{run_dirs[0]} minus {other}, last evaluations, paired by problem"
-            header, body, why = paired_final_rows(run_dirs[0], other)
+            if pairs:
+                title += (
+                    " (" + ", ".join(f"node {a} against node {b}" for a, b in pairs.items()) + ")"
+                )
+            header, body, why = paired_final_rows(run_dirs[0], other, pairs=pairs or None)
             if body:
                 _print_table(header, body, title=title)
             else:

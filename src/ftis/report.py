@@ -630,9 +630,12 @@ def _run_task(run_dir: Path) -> dict | None:
     return cfg.get("task") if isinstance(cfg, dict) else None
 
 
-def paired_final_rows(reference: Path, other: Path) -> tuple[list[str], list[list[str]], str]:
+def paired_final_rows(
+    reference: Path, other: Path, *, pairs: dict[str, str] | None = None
+) -> tuple[list[str], list[list[str]], str]:
     """REFERENCE's last evaluation minus OTHER's, per node present in both (by name) and split,
-    paired by problem: (header, rows, why-empty). Pairing needs the same problems, so the two
+    or, with `pairs` {node of REFERENCE: node of OTHER}, per such pair (a node named in a pair
+    that is not in its run is a ReportError), paired by problem: (header, rows, why-empty). Pairing needs the same problems, so the two
     runs' task sections must be equal (then a split of one name is the same problems in both);
     otherwise no row, and the third value says why. The interval is a Student-t interval over
     problems (one seed each), as in change_section."""
@@ -646,17 +649,30 @@ def paired_final_rows(reference: Path, other: Path) -> tuple[list[str], list[lis
         evals_a, evals_b = read_evals(reference), read_evals(other)
     except (FileNotFoundError, ValueError) as e:
         return header, [], f"no per-problem evaluations to pair ({e})"
+    if pairs:
+        for mine, run, have in (
+            *((a, reference, evals_a) for a in pairs),
+            *((b, other, evals_b) for b in pairs.values()),
+        ):
+            if mine not in have:
+                raise ReportError(
+                    f"--pair: {run} has no evaluated node {mine!r}; its nodes: "
+                    + ", ".join(sorted(have))
+                )
+        matched = list(pairs.items())
+    else:
+        matched = [(n, n) for n in evals_a if n in evals_b]
     body = []
-    for node in (n for n in evals_a if n in evals_b):
-        for split in (s for s in evals_a[node] if s in evals_b[node]):
-            a, b = evals_a[node][split], evals_b[node][split]
+    for node, node_b in matched:
+        for split in (s for s in evals_a[node] if s in evals_b[node_b]):
+            a, b = evals_a[node][split], evals_b[node_b][split]
             if a.correct.shape[1] != b.correct.shape[1]:
                 continue  # different eval.size: not the same problems
             d = paired_difference({0: a.correct[-1]}, {0: b.correct[-1]})
             word = _verdict_word(d, "higher", "lower", "no difference detected")
             body.append(
                 [
-                    node,
+                    node if node == node_b else f"{node} vs {node_b}",
                     split,
                     f"{int(a.steps[-1])} vs {int(b.steps[-1])}",
                     str(d.problems),
@@ -673,6 +689,10 @@ def compare_runs(run_dirs: list[Path], out: Path) -> Path:
     splits = sorted(
         {s for rows in all_rows.values() for s in eval_splits(rows)}, key=lambda s: (s != "test", s)
     )
+    if not splits:
+        raise ReportError(
+            "no run logged an evaluation split (eval/<split>/accuracy), so there is no curve to plot"
+        )
     fig, axes = pyplot().subplots(1, len(splits), figsize=(5.5 * len(splits), 3.8), squeeze=False)
     for name, rows in all_rows.items():
         _plot_accuracy(rows, out, label_prefix=f"{name}/", axes=axes[0])
