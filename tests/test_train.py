@@ -540,3 +540,42 @@ def test_withheld_failures_count_in_the_update_scale(mb):
     ratio = batch.num_sequences / (batch.num_sequences - 3)
     for a, b in zip(full, naive):
         torch.testing.assert_close(ratio * a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_gspo_own_ratios_divide_by_the_trainers_log_probs_under_a_bf16_sampler():
+    """Issue 56: with a bf16 sampler the sampler's log-probs differ from the trainer's by its
+    rounding, which alone leaves GSPO's clip window (3e-4..4e-4) on most own sequences, so half
+    of them give no gradient. With own_ratio_reference 'trainer' (the default) the first update's
+    own ratios divide by the trainer's own log-probs at the sampling weights: none is clipped,
+    and the precision gap is corrected by a truncated sequence weight instead."""
+    from ftis.config import TrainConfig
+
+    train = TrainConfig(max_new_tokens=5, group_size=4, sampler_dtype="bfloat16")
+
+    def clip_frac(reference: str) -> tuple[float, torch.Tensor]:
+        node = _node("hacpo")
+        node.cfg = node.cfg.model_copy(
+            update={"loss": node.cfg.loss.model_copy(update={"own_ratio_reference": reference})}
+        )
+        problems = [TASK.split("train")[i] for i in range(4)]
+        batch = sampling.generate(node, TASK, problems, slots=(0, 4), cfg=train, step=1)
+        adv = torch.linspace(-1, 1, batch.num_sequences)
+        old, gap = update_mod.own_ratio_reference(node, TASK, batch, own=None, train=train)
+        out, _ = update_mod.train_on_round(node, TASK, batch, adv, train=train, step=1)
+        return out["loss/clip_frac"], gap
+
+    by_sampler, none = clip_frac("sampler")
+    by_trainer, gap = clip_frac("trainer")
+    assert none is None and by_sampler > 0.25  # the rounding alone clips many own sequences
+    assert by_trainer == 0.0
+    assert gap is not None and bool((gap > 0).all()) and bool((gap <= 2.0).all())
+    assert not torch.allclose(gap, torch.ones_like(gap))  # the gap is there, and weighted
+
+
+def test_the_trainer_reference_changes_nothing_with_an_f32_sampler():
+    from ftis.config import TrainConfig
+
+    node = _node("hacpo")
+    batch = _batch(node)
+    train = TrainConfig(max_new_tokens=5, group_size=4)
+    assert update_mod.own_ratio_reference(node, TASK, batch, own=None, train=train) == (None, None)

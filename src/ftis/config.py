@@ -142,6 +142,15 @@ class LossConfig(_Strict):
         "most c|A| and a ratio above c gets no gradient (docs/math.md §3.5). Own samples keep "
         "the published term. 3 is dual-clip PPO's value; .inf turns it off.",
     )
+    own_ratio_reference: Literal["trainer", "sampler"] = Field(
+        "trainer",
+        description="gspo/hacpo under train.sampler_dtype bfloat16: the log-probs the own "
+        "samples' sequence ratio divides by. 'trainer': the trainer's own at the sampling "
+        "weights (one extra forward without gradient a round), with the bf16 sampler's gap "
+        "corrected by a truncated sequence weight min(exp(mean_t(trainer - sampler)), is_cap) "
+        "(docs/math.md §12); 'sampler': the sampler's, whose precision gap alone leaves GSPO's "
+        "clip window (3e-4..4e-4) on most own sequences. No effect with an f32 sampler.",
+    )
     beta: float = Field(
         0.0,
         ge=0,

@@ -52,6 +52,7 @@ def update(
     peer_scale: torch.Tensor | None = None,
     update_index: int = 0,
     withheld: float = 0.0,
+    old_logprobs: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """One optimizer step on `batch`: receiver log-probs, policy loss, backward, clip, step.
 
@@ -79,6 +80,10 @@ def update(
     the loss's peer treatment (policy shaping, HACPO's peer term). peer_scale: (N,) HACPO's
     discrepancy coefficient per sequence. update_index: m, the optimizer updates already made
     on this round's batch (HACPO's stepwise clip lower bound rises with it).
+
+    old_logprobs: (N, T) the log-probs the loss's ratios divide by, in place of the sampler's
+    (`train_on_round`'s trainer-recomputed ones for own samples under a bf16 sampler, issue
+    56); the sampler/trainer mismatch statistic still compares with the sampler's.
 
     withheld: members of the batch's groups that are not in it (success-gated sharing's withheld
     failures, docs/math.md §17), counted in N: the accumulated gradient and the loss are scaled
@@ -117,7 +122,9 @@ def update(
                 sequence_weights = sequence_weights[active]
             own = None if own is None else own[active]
             peer_scale = None if peer_scale is None else peer_scale[active]
+            old_logprobs = None if old_logprobs is None else old_logprobs[active]
     n = batch.num_sequences
+    ratio_base = batch.sampler_logprobs if old_logprobs is None else old_logprobs
     bridged_all, bridge_total, bridge_length = batch.bridge_columns()
     n_bridged = int(bridged_all.sum())
     n_exact = n - n_bridged
@@ -181,7 +188,7 @@ def update(
         sel = slice(None) if all_exact else ex  # the rows policy_loss sees
         loss, metrics = policy_loss(
             logprobs[sel],
-            batch.sampler_logprobs[sl, :width].to(dev)[sel],
+            ratio_base[sl, :width].to(dev)[sel],
             advantages[sl].to(dev)[sel],
             mask.to(dev)[sel],
             method=loss_cfg.method,
@@ -390,6 +397,62 @@ def round_plan(
     return plan
 
 
+def own_ratio_reference(
+    node: Node,
+    task: Task,
+    batch: RolloutBatch,
+    *,
+    own: torch.Tensor | None,
+    train: TrainConfig,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Under a bf16 sampler (train.sampler_dtype) and a GSPO-family loss (gspo, hacpo) with
+    `loss.own_ratio_reference: trainer` (docs/math.md §12, issue 56): ((N, T) log-probs the
+    ratios divide by, the trainer's own at the sampling weights on own sequences and the
+    sampler's elsewhere; (N,) weights min(exp(mean_t(trainer - sampler)), is_cap) on own
+    sequences, 1 elsewhere, which correct the sampler's precision gap at the sequence level).
+    (None, None) otherwise: the ratios divide by the sampler's log-probs, as before.
+
+    Called before the round's first optimizer step, so the node's weights are those its own
+    samples were drawn with; the forward runs as the update's does (model.compute_dtype), so the
+    first update's own ratios are exactly 1 and GSPO's clip window sees only the policy's change
+    over the round, not the sampler's rounding."""
+    from ftis.models.precision import compute_context, model_compute_dtype
+    from ftis.train.scoring import model_logprobs
+
+    loss_cfg = node.cfg.loss
+    if (
+        node.sampler_copy is None
+        or train.sampler_dtype == "float32"
+        or loss_cfg.own_ratio_reference != "trainer"
+        or resolve_method(loss_cfg.method)[0] not in ("gspo", "hacpo")
+        or batch.num_sequences == 0
+    ):
+        return None, None
+    mine = torch.ones(batch.num_sequences, dtype=torch.bool) if own is None else own.cpu().bool()
+    bridged, _, _ = batch.bridge_columns()
+    mine = mine & ~bridged.cpu().bool()  # a bridged peer has no per-token sampler log-probs
+    if not bool(mine.any()):
+        return None, None
+    model_dev = next(node.model.parameters()).device
+    with compute_context(model_dev, model_compute_dtype(node.cfg.model.compute_dtype)):
+        trainer = model_logprobs(
+            node,
+            task,
+            batch.select(mine),
+            temperature=train.temperature,
+            micro_batch_size=train.micro_batch_size,
+        )
+    sampler = batch.sampler_logprobs.float().cpu()
+    old = sampler.clone()
+    old[mine] = trainer[:, : old.shape[1]]
+    mask = batch.mask[mine].cpu()
+    length = mask.sum(dim=1).clamp(min=1)
+    gap = torch.where(mask, trainer[:, : mask.shape[1]] - sampler[mine], 0.0).sum(dim=1) / length
+    weights = torch.ones(batch.num_sequences)
+    weights[mine] = torch.exp(gap.clamp(-20.0, 20.0)).clamp(max=loss_cfg.is_cap)
+    return old, weights
+
+
 def mean_step_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
     """The metrics of a round's optimizer steps in one dict: keys ending in `_max` take the
     maximum, `_min` the minimum, every other key the mean over the steps that report it."""
@@ -440,6 +503,9 @@ def train_on_round(
         return {"loss/active_frac": 0.0, "train/optimizer_steps": 0.0, "train/no_signal": 1.0}, 0
     loss_cfg = node.cfg.loss
     weights = response_weights(batch, loss_cfg, group_size=train.group_size)
+    old, gap = own_ratio_reference(node, task, batch, own=own, train=train)
+    if gap is not None:
+        weights = gap if weights is None else weights * gap
     plan = round_plan(
         batch.num_sequences,
         epochs=train.update_epochs,
@@ -450,7 +516,9 @@ def train_on_round(
     skipped = 0
     for m, idx in enumerate(plan):
         part, part_adv, part_w, part_own, part_scale = batch, advantages, weights, own, peer_scale
+        part_old = old
         if idx is not None:
+            part_old = None if old is None else old[idx]
             part, part_adv = batch.select(idx), advantages[idx]
             part_w = None if weights is None else weights[idx]
             part_own = None if own is None else own[idx]
@@ -471,6 +539,7 @@ def train_on_round(
                     peer_scale=part_scale,
                     update_index=m,
                     withheld=withheld * part.num_sequences / batch.num_sequences,
+                    old_logprobs=part_old,
                 )
             )
         except NonFiniteError as e:
