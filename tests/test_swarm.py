@@ -707,3 +707,34 @@ def test_the_shipped_swarm_configs():
     away = [sum(not v[r] for v in present.values()) for r in range(sim.train.steps)]
     assert away == [len(sim.nodes) // 4] * sim.train.steps
     assert load_config(root / "swarm-hivemind.yaml").algorithm.backend == "hivemind"
+
+
+def test_an_outsider_cannot_occupy_a_peers_subkey_on_the_dht():
+    """Issue 57: an outsider joins the DHT from a peer's address and publishes junk under peer
+    0's subkey with a later expiry. Without ownership the DHT keeps the later record and refuses
+    peer 0's own; with the swarm secret every record carries an HMAC tag that honest nodes check
+    on store and on read, so peer 1 still reads peer 0's record."""
+    pytest.importorskip("hivemind")
+    from ftis.exchange.dht import DHTBoard
+
+    secret = b"s" * 32
+    first = DHTBoard(max_value_bytes=200_000, max_peers=8, secret=secret)
+    boards = [first]
+    try:
+        maddrs = first.maddrs()
+        second = DHTBoard(maddrs, max_value_bytes=200_000, max_peers=8, secret=secret)
+        squatter = DHTBoard(maddrs, max_value_bytes=200_000, max_peers=8)  # no secret
+        boards += [second, squatter]
+        key = "ftis-swarm:t:round:1"
+        now = first.now()
+        squatter.publish(key, 0, b"junk" * 10, now + 300)  # later expiry, peer 0's subkey
+        # (publish's own answer is the last replica's, which may be the squatter's refusal)
+        first.publish(key, 0, b"honest", now + 30)
+        assert second.read(key) == {0: b"honest"}
+        assert first.read(key) == {0: b"honest"}
+        # and a signed record is read back stripped of its tag, by any holder of the secret
+        second.publish(key, 1, b"peer one", now + 30)
+        assert first.read(key) == {0: b"honest", 1: b"peer one"}
+    finally:
+        for b in reversed(boards):
+            b.close()

@@ -71,10 +71,64 @@ def size_validator(*, max_value_bytes: int, max_ttl_s: float, max_peers: int):
     return SizeValidator()
 
 
+def hmac_validator(secret: bytes):
+    """A hivemind record validator that owns every record with the swarm's secret (issue 57):
+    a record is stored with an HMAC-SHA256 tag over its DHT key, subkey, expiry and value
+    (`sign_value`), and a node accepts, serves or reads only records whose tag verifies. An
+    outsider without the secret cannot occupy a peer's subkey: the DHT keeps, per subkey, the
+    record that expires last, so an unsigned record with a later expiry under an honest peer's
+    subkey would otherwise replace the peer's own (honest nodes refuse to store it, and a
+    response holding one is discarded whole by the reader's hivemind, which validates what it
+    finds). The expiry is in the tag, so a captured record cannot be re-stored to live longer."""
+    import hashlib
+    import hmac
+    import struct
+
+    from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+
+    tag_bytes = 32
+
+    class HMACValidator(RecordValidatorBase):
+        def _tag(self, record: DHTRecord, value: bytes) -> bytes:
+            msg = b"\0".join(
+                (
+                    b"ftis-dht",
+                    record.key,
+                    record.subkey,
+                    struct.pack(">d", record.expiration_time),
+                    value,
+                )
+            )
+            return hmac.new(secret, msg, hashlib.sha256).digest()
+
+        def validate(self, record: DHTRecord) -> bool:
+            if len(record.value) < tag_bytes:
+                return False
+            value, tag = record.value[:-tag_bytes], record.value[-tag_bytes:]
+            return hmac.compare_digest(tag, self._tag(record, value))
+
+        def sign_value(self, record: DHTRecord) -> bytes:
+            return record.value + self._tag(record, record.value)
+
+        def strip_value(self, record: DHTRecord) -> bytes:
+            return record.value[:-tag_bytes]
+
+        @property
+        def priority(self) -> int:
+            return 10  # signs last, validates first: the size rule sees the bare value
+
+        def merge_with(self, other: RecordValidatorBase) -> bool:
+            return False
+
+    return HMACValidator()
+
+
 class DHTBoard:
     """A `Board` (ftis.exchange.swarm) on one hivemind DHT node of this process.
 
     initial_peers: multiaddrs of peers already in the swarm (none: this node starts one).
+    secret: the swarm's shared secret: every record this node stores carries its HMAC tag and
+        only tagged records are accepted (`hmac_validator`); None: records are not owned.
     p2p: options for hivemind's P2P daemon, over `LOOPBACK_P2P`.
     """
 
@@ -86,6 +140,7 @@ class DHTBoard:
         max_ttl_s: float = 3600.0,
         max_peers: int = 1024,
         timeout_s: float = 60.0,
+        secret: bytes | None = None,
         **p2p: Any,
     ) -> None:
         _require_hivemind()
@@ -99,6 +154,10 @@ class DHTBoard:
         validator = size_validator(
             max_value_bytes=max_value_bytes, max_ttl_s=max_ttl_s, max_peers=max_peers
         )
+        if secret:
+            from hivemind.dht.validation import CompositeValidator
+
+            validator = CompositeValidator([validator, hmac_validator(secret)])
         self.node = self._call(
             DHTNode.create(
                 initial_peers=list(initial_peers),

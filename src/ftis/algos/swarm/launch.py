@@ -129,6 +129,7 @@ def run_swarm(
         from ftis.exchange.dht import DHTBoard
 
         board = DHTBoard(
+            secret=secret,
             max_peers=a.max_peers,
             max_value_bytes=int(a.max_payload_mb * 2**20),
             max_ttl_s=max(a.payload_ttl_s, a.member_ttl_s) + 60,

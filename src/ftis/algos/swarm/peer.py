@@ -66,6 +66,7 @@ def build_transport(
     extra = {"announce_maddrs": announce} if announce else {}
     board = DHTBoard(
         initial_peers,
+        secret=secret,
         max_value_bytes=int(a.max_payload_mb * 2**20),
         max_ttl_s=max(a.payload_ttl_s, a.member_ttl_s) + 60,
         max_peers=a.max_peers,
