@@ -381,3 +381,37 @@ def test_an_overwritten_payload_skips_the_peer_for_one_round(store):
     assert exs[0].last_stats.extra["missed_payloads"] == 1 and not ms[0].lost
     got = _round(exs, 2)  # collaborating again
     assert got[0][1] is not None and got[1][0] is not None
+
+
+@pytest.mark.chaos_case("F-TIS", "replayed heartbeats and a deleted left mark")
+def test_replayed_heartbeats_do_not_keep_a_dead_peer_alive(store):
+    """Issue 57: with node 1 dead, its left mark deleted and two captured heartbeats replayed
+    in turn, node 0 used to wait max_missed x timeout_s. Only a beat above every one seen is a
+    sign of life now: the replays are counted and ignored, and node 1 is lost one timeout_s
+    after its last real beat; a left mark once read counts even after it is deleted."""
+    _, client = store
+    signer = Signer(bytes.fromhex(new_secret()))
+    ms = [Membership(client(), r, 3, timeout_s=0.6, signer=signer) for r in range(3)]
+    outsider = client()
+    ms[1].beat()
+    old = outsider.get("hb/1")
+    ms[1].beat()
+    new = outsider.get("hb/1")
+    assert ms[0].why_gone(1) is None  # the newest beat seen
+    ms[1]._stop.set()
+    ms[1]._thread.join()  # node 1 dies
+    t0 = time.monotonic()
+    gone = None
+    while gone is None and time.monotonic() - t0 < 5:
+        for captured in (old, new):  # a local client replays what it captured
+            outsider.set("hb/1", captured)
+            gone = gone or ms[0].why_gone(1)
+            time.sleep(0.05)
+    assert gone is not None and "no advancing heartbeat" in gone
+    assert time.monotonic() - t0 < 0.6 + 0.5  # one timeout_s, not max_missed of them
+    assert ms[0].stale_beats >= 1
+    # a departure read once is not undone by deleting its mark
+    ms[2].leave("done")
+    assert "it left" in ms[0].why_gone(2)
+    outsider.delete_key("left/2")
+    assert "it left" in ms[0].why_gone(2)

@@ -219,6 +219,7 @@ class RolloutExchange:
                 "missed_payloads": float(after.missed),
                 "forged_records": float(after.forged),
                 "heartbeat_errors": float(after.heartbeat_errors),
+                "stale_heartbeats": float(after.stale_heartbeats),
             },
         )
         return out

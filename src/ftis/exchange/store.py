@@ -35,8 +35,11 @@ A payload larger than `CHUNK_BYTES` travels in chunks `x/<step>/<rank>/<i>` belo
 per-value limit, with `x/<step>/<rank>` naming their count; a reader accepts at most as many
 chunks as `max_bytes` allows.
 
-A peer is lost when (a) an authentic `left/<peer>` exists, or (b) its heartbeat has not moved
-for `timeout_s` (the process or its machine is gone). A payload that is not there is *missed*,
+A peer is lost when (a) an authentic `left/<peer>` exists (or existed: a departure once read
+stays read, so deleting the mark hides nothing), or (b) its heartbeat has not advanced for
+`timeout_s` (the process or its machine is gone). A beat is a time in ms that only grows; an
+authentic heartbeat older than one already seen (a replay) is counted (`stale_heartbeats`)
+and is no sign of life. A payload that is not there is *missed*,
 not lost: when the peer's heartbeat says it posted the step but no authentic payload is there
 (overwritten or deleted by something outside the run), at once; when it is ready and alive but
 its payload has not arrived within `timeout_s` (it stalled), after that wait. A missed payload
@@ -286,6 +289,9 @@ class Membership:
         self._beat_count = 0
         self.posted = -(2**62)  # the last step this node posted (heartbeats carry it)
         self.heartbeat_errors = 0  # beats the store refused (the thread reports and goes on)
+        self.stale_beats = 0  # authentic heartbeats older than one already seen (replayed)
+        self._stale_seen: set[tuple[int, int]] = set()  # (peer, beat) counted once
+        self._left_seen: dict[int, str] = {}  # departures read once: a deleted mark still counts
         self.beat()
         self._thread = threading.Thread(target=self._beat, name="ftis-heartbeat", daemon=True)
         self._thread.start()
@@ -322,7 +328,9 @@ class Membership:
         with self._beat_lock:
             if posted is not None:
                 self.posted = max(self.posted, posted)
-            self._beat_count += 1
+            # the beat is a time in ms, kept increasing: a restarted process's beats still
+            # advance past the ones it wrote before (a reader trusts only advancing beats)
+            self._beat_count = max(self._beat_count + 1, time.time_ns() // 1_000_000)
             self.set(f"hb/{self.rank}", f"{self._beat_count} {self.posted}")
 
     def _beat(self) -> None:
@@ -398,16 +406,33 @@ class Membership:
         `timeout_s`), or None while it may still answer. A forged heartbeat is not a beat."""
         if peer in self.lost:
             return self.lost[peer]
+        if peer in self._left_seen:  # deleting the mark afterwards cannot hide the departure
+            return self._left_seen[peer]
         now = time.monotonic()
         why = self.get(f"left/{peer}")
         if why is not None:
-            return f"it left ({why.decode(errors='replace')})"
+            self._left_seen[peer] = f"it left ({why.decode(errors='replace')})"
+            return self._left_seen[peer]
         beat = self._read_beat(peer)
         last = self._beats.get(peer)
-        if last is None or (beat is not None and last[0] != beat):
+        # Only a beat count above every one seen is a sign of life (issue 57): a replayed
+        # heartbeat is authentic but old, so it neither refreshes the peer nor hides its death;
+        # it is counted. A peer whose beats stop advancing is lost one timeout_s later.
+        if last is None or (beat is not None and beat > last[0]):
             self._beats[peer] = (beat if beat is not None else -1, now)
-        elif now - last[1] > self.timeout_s:
-            return f"no heartbeat for {now - last[1]:.0f} s"
+        else:
+            if beat is not None and beat < last[0] and (peer, beat) not in self._stale_seen:
+                self._stale_seen.add((peer, beat))
+                self.stale_beats += 1
+                log.warning(
+                    "rank %d: peer %d's heartbeat went back from beat %d to %d (replayed); ignored",
+                    self.rank,
+                    peer,
+                    last[0],
+                    beat,
+                )
+            if now - last[1] > self.timeout_s:
+                return f"no advancing heartbeat for {now - last[1]:.0f} s"
         return None
 
     def drop(self, peer: int, reason: str, *, step: int) -> None:
@@ -528,6 +553,7 @@ class StoreTransport:
         self.stats.bytes_sent += len(payload)
         self.stats.forged = self.m.forged
         self.stats.heartbeat_errors = self.m.heartbeat_errors
+        self.stats.stale_heartbeats = self.m.stale_beats
         out: dict[int, bytes | None] = {}
         for p, data in raw.items():
             if data is None:  # more chunks than max_bytes allows: not even read

@@ -65,6 +65,7 @@ class TransportStats:
     missed: int = 0  # a live peer's payload skipped for one round (overwritten, deleted, late)
     forged: int = 0  # records in the transport that failed authentication (ignored)
     heartbeat_errors: int = 0  # heartbeats the transport refused (retried)
+    stale_heartbeats: int = 0  # authentic heartbeats older than one already seen (replays)
 
     def copy(self) -> TransportStats:
         return dataclasses.replace(self, lost=dict(self.lost))
