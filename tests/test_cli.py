@@ -157,6 +157,26 @@ def test_overwrite_refuses_a_directory_ftis_did_not_create(tmp_path):
     assert (victim / "thesis.tex").read_text() == "years of work"
 
 
+def test_symlinked_run_directories_are_refused_for_what_they_are(tmp_path):
+    """Issue 57: --overwrite through a symlink to a real ftis run directory was refused as 'not
+    created by ftis'; a dangling --out symlink with a bare 'File exists'. Each names the link."""
+    from ftis import rundir
+
+    real = tmp_path / "real-run"
+    real.mkdir()
+    rundir.mark(real)
+    (real / "metrics.jsonl").write_text("{}\n")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    res = runner.invoke(app, ["run", _config(tmp_path), "--out", str(link), "--overwrite"])
+    assert res.exit_code == 2 and "is a symlink (to" in res.output, res.output
+    assert (real / "metrics.jsonl").exists()
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    res = runner.invoke(app, ["run", _config(tmp_path), "--out", str(dangling)])
+    assert res.exit_code == 2 and "which does not exist" in " ".join(res.output.split()), res.output
+
+
 def test_a_run_name_that_is_a_path_is_refused_before_anything_is_touched(tmp_path, monkeypatch):
     victim = _victim(tmp_path)
     monkeypatch.chdir(tmp_path / "victim")

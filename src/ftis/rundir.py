@@ -50,7 +50,13 @@ def mark(run_dir: Path) -> None:
 def clear(run_dir: Path, *, keep: tuple[str, ...] = (MARKER, LOCK)) -> None:
     """Remove everything inside `run_dir` but `keep`. Refuses (RunDirError) a directory that
     ftis did not create: one without the marker, or a symlink."""
-    if run_dir.is_symlink() or not is_ftis_run_dir(run_dir):
+    if run_dir.is_symlink():
+        raise RunDirError(
+            f"{run_dir} is a symlink (to {os.readlink(run_dir)}): --overwrite does not replace "
+            "a directory through a link, even one ftis created. Pass the directory itself as "
+            "--out, or choose another --out"
+        )
+    if not is_ftis_run_dir(run_dir):
         raise RunDirError(
             f"{run_dir} was not created by ftis (it has no {MARKER} marker): --overwrite only "
             "replaces run directories that ftis wrote. Remove it yourself if you mean to, or "
@@ -96,6 +102,11 @@ def claim(run_dir: Path, *, overwrite: bool = False, resume: bool = False) -> It
     Otherwise (a new run): the directory must be absent or empty, or (overwrite) be one ftis
     created, whose contents are removed under the lock. It is created and marked."""
     check_not_a_file(run_dir)
+    if run_dir.is_symlink() and not run_dir.exists():
+        raise RunDirError(
+            f"{run_dir} is a symlink to {os.readlink(run_dir)}, which does not exist: remove the "
+            "link, or choose another --out"
+        )
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
