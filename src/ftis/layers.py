@@ -40,8 +40,16 @@ LAYERS: tuple[Layer, ...] = (
     ),
     Layer(
         "shell",
-        "what every system shares around a run: launcher, studies, report, preflight, export",
-        ("ftis.launch", "ftis.study", "ftis.report", "ftis.preflight", "ftis.export"),
+        "around a run: launcher, studies, report, preflight and check, export and eval",
+        (
+            "ftis.launch",
+            "ftis.study",
+            "ftis.report",
+            "ftis.preflight",
+            "ftis.check",
+            "ftis.export",
+            "ftis.offline_eval",
+        ),
     ),
     Layer(
         "node",
