@@ -543,12 +543,17 @@ def profile(cfg: dict) -> dict:
     phases profiled apart: per phase, its wall time, the top ops by self CPU time, and the
     shares of matmuls, attention, other torch ops and time outside any torch op (Python, HF
     glue, allocation between ops)."""
+    node, task, prompts = _ftis_node(cfg)
+    return profile_node(node, task, prompts, cfg)
+
+
+def profile_node(node, task, prompts, cfg: dict) -> dict:
+    """`profile`'s measurement on a built node (bench.update_profile: SmolLM2)."""
     import contextlib
 
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    node, task, prompts = _ftis_node(cfg)
     _ftis_round(node, task, prompts, cfg=cfg, step=0)
     profs: dict = {}
 

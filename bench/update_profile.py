@@ -1,0 +1,123 @@
+"""Where a SmolLM2-135M-Instruct update spends its time, f32 against `model.compute_dtype:
+bfloat16` (issue 51, item 1: profile first). One ftis GRPO step of bench.trl_real's shape
+(8 prompts x 4 completions of 32 tokens, micro-batches of 16) after a warm-up step, under
+torch.profiler, in a fresh process per variant: per phase its wall time, the shares of
+matmuls, attention, other ops and time outside any op, and the top ops by self CPU time.
+
+    python -m bench.update_profile [--out docs/results/update-profile]
+
+Needs `ftis models fetch smollm2-135m-instruct`. Run it on an otherwise idle machine: the
+shares are of wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "docs" / "results" / "update-profile"
+
+
+def _child_main(arg: str) -> None:
+    import torch
+
+    from bench.scale import profile_node
+    from bench.trl_real import GROUP, LENGTH, LR, MICRO, _setup
+    from ftis.config import LossConfig, NodeConfig, OptimConfig
+    from ftis.train.loop import peak_rss_mb
+    from ftis.train.node import Node, build_optimizer
+
+    cfg = json.loads(arg)
+    torch.set_num_threads(int(cfg.get("threads", 1)))
+    model_cfg, model, tok, task, prompts = _setup(cfg["compute_dtype"])
+    node_cfg = NodeConfig(
+        name="bench", model=model_cfg, optim=OptimConfig(lr=LR), loss=LossConfig(method="grpo")
+    )
+    node = Node(
+        cfg=node_cfg,
+        rank=0,
+        model=model,
+        tokenizer=tok,
+        optimizer=build_optimizer(model, node_cfg.optim),
+    )
+    out = profile_node(
+        node, task, prompts, {"group": GROUP, "length": LENGTH, "micro_batch": MICRO}
+    )
+    out["peak_rss_mb"] = peak_rss_mb()
+    print(json.dumps(out))
+
+
+def measure(threads: int = 1) -> dict:
+    from bench.common import json_child
+
+    return {
+        dtype: json_child(
+            "bench.update_profile",
+            "--child",
+            json.dumps({"compute_dtype": dtype, "threads": threads}),
+            threads=threads,
+        )
+        for dtype in ("float32", "bfloat16")
+    }
+
+
+def markdown(r: dict) -> str:
+    lines = [
+        "# Where a SmolLM2-135M update spends its time: f32 and bf16 autocast",
+        "",
+        "Produced by `python -m bench.update_profile` (one thread; bench.trl_real's step: 8 "
+        "prompts x 4 completions of 32 tokens, micro-batches of 16). Shares are of the phase's "
+        "wall time, from torch.profiler's self CPU times; they vary by CPU (its bf16 units) "
+        "and torch build.",
+        "",
+        "| phase | compute dtype | wall s | matmul | attention | other ops | outside ops |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for dtype, res in r.items():
+        for phase in ("sample", "update"):
+            p = res[phase]
+            lines.append(
+                f"| {phase} | {dtype} | {p['s']:.2f} | {100 * p['matmul_share']:.0f}% | "
+                f"{100 * p['attention_share']:.0f}% | {100 * p['other_ops_share']:.0f}% | "
+                f"{100 * p['outside_ops_share']:.0f}% |"
+            )
+    for dtype, res in r.items():
+        lines += [
+            "",
+            f"Top ops of the update, {dtype}:",
+            "",
+            "| op | calls | s | share |",
+            "|---|---|---|---|",
+        ]
+        for e in res["update"]["top_ops"]:
+            lines.append(f"| `{e['op']}` | {e['calls']} | {e['s']:.3f} | {100 * e['share']:.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    from bench.trl_real import available
+
+    why = available()
+    if why:
+        print(f"skipped: {why}", file=sys.stderr)
+        return 2
+    r = measure(args.threads)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(r, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(r))
+    print(markdown(r))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        _child_main(sys.argv[2])
+    else:
+        sys.exit(main())
