@@ -93,7 +93,7 @@ def plan_run(cfg: Any, *, eval_probe: int = 64) -> Plan:
     """Build every node and task of `cfg`, probe one step of each, and return the plan (errors:
     ConfigError, TaskDataError, RewardError, ModelLoadError... as a run would raise them)."""
     from ftis.models.loading import count_parameters
-    from ftis.offline_eval import _SplitsView
+    from ftis.offline_eval import SplitsView
     from ftis.preflight import check_run
     from ftis.tasks import build_task
     from ftis.train import sampling, scoring
@@ -134,7 +134,7 @@ def plan_run(cfg: Any, *, eval_probe: int = 64) -> Plan:
         sizes = [min(cfg.eval.size, len(task.split(s))) for s in task.eval_splits]
         k = max(1, min(sizes[0], cfg.eval.batch_size, eval_probe))
         few = cfg.eval.model_copy(update={"size": k, "pass_samples": 0})
-        first_split = _SplitsView(task, task.eval_splits[:1])
+        first_split = SplitsView(task, task.eval_splits[:1])
         t0 = time.perf_counter()
         with greedy_cache(False):
             evaluate(probe, first_split, few, cfg.train, seed=0)

@@ -38,7 +38,7 @@ class EvalResult:
         }
 
 
-class _SplitsView:
+class SplitsView:
     """A task whose evaluation splits are `splits` (the rest is the task's own)."""
 
     def __init__(self, task: Any, splits: list[str]) -> None:
@@ -141,7 +141,7 @@ def evaluate_source(
             raise EvalError(
                 f"--split {split!r}: the task's evaluation splits are {', '.join(task.eval_splits)}"
             )
-        task = _SplitsView(task, [split])
+        task = SplitsView(task, [split])
     seed = eval_seed(cfg.train.seed, step or 0)
     with collect_outcomes() as outcomes:
         metrics = evaluate(built, task, eval_cfg, cfg.train, seed=seed)
