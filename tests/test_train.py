@@ -560,7 +560,7 @@ def test_gspo_own_ratios_divide_by_the_trainers_log_probs_under_a_bf16_sampler()
         problems = [TASK.split("train")[i] for i in range(4)]
         batch = sampling.generate(node, TASK, problems, slots=(0, 4), cfg=train, step=1)
         adv = torch.linspace(-1, 1, batch.num_sequences)
-        old, gap = update_mod.own_ratio_reference(node, TASK, batch, own=None, train=train)
+        _old, gap = update_mod.own_ratio_reference(node, TASK, batch, own=None, train=train)
         out, _ = update_mod.train_on_round(node, TASK, batch, adv, train=train, step=1)
         return out["loss/clip_frac"], gap
 
