@@ -1,7 +1,7 @@
 """Comparisons named before the runs (ftis.study.primary): a study file's `primary:` section is
 validated against its grid when the study loads, computed from the runs' evals.jsonl with a
 Bonferroni-corrected t interval, and opens the document. Checked on the committed real-model
-runs (docs/results/real-runs), against the same numbers computed here from evals.jsonl."""
+runs (docs/results/real-pilot-runs), against the same numbers computed here from evals.jsonl."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from ftis.study.spec import load_study
 from ftis.study.stats import read_evals
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = ROOT / "docs" / "results" / "real-runs"
+RUNS = ROOT / "docs" / "results" / "real-pilot-runs"
 
 PRIMARY = [
     {
