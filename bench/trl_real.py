@@ -62,13 +62,13 @@ def available() -> str | None:
 # ----------------------------------------------------------------------------- in the child
 
 
-def _setup(compute_dtype: str = "float32"):
+def _setup(compute_dtype: str = "float32", compute_mode: str = "autocast"):
     from ftis.config import load_config
     from ftis.models.loading import ModelConfig, build_model, load_tokenizer
     from ftis.tasks import build_task
 
     run = load_config(ROOT / "configs" / "smollm2.yaml", [])
-    model_cfg = ModelConfig(name=NAME, compute_dtype=compute_dtype)
+    model_cfg = ModelConfig(name=NAME, compute_dtype=compute_dtype, compute_mode=compute_mode)
     model, tok = build_model(model_cfg), load_tokenizer(model_cfg)
     task = build_task(run.task)
     train = task.split("train")

@@ -1,5 +1,6 @@
 """Where a SmolLM2-135M-Instruct update spends its time, f32 against `model.compute_dtype:
-bfloat16` (issue 51, item 1: profile first). One ftis GRPO step of bench.trl_real's shape
+bfloat16` under each `model.compute_mode` (autocast; cast_weights: the update on a bf16 copy of
+the weights, f32 masters) (issue 51, item 1: profile first). One ftis GRPO step of bench.trl_real's shape
 (8 prompts x 4 completions of 32 tokens, micro-batches of 16) after a warm-up step, under
 torch.profiler, in a fresh process per variant: per phase its wall time, the shares of
 matmuls, attention, other ops and time outside any op, and the top ops by self CPU time.
@@ -32,7 +33,7 @@ def _child_main(arg: str) -> None:
 
     cfg = json.loads(arg)
     torch.set_num_threads(int(cfg.get("threads", 1)))
-    model_cfg, model, tok, task, prompts = _setup(cfg["compute_dtype"])
+    model_cfg, model, tok, task, prompts = _setup(cfg["compute_dtype"], cfg["compute_mode"])
     node_cfg = NodeConfig(
         name="bench", model=model_cfg, optim=OptimConfig(lr=LR), loss=LossConfig(method="grpo")
     )
@@ -50,30 +51,38 @@ def _child_main(arg: str) -> None:
     print(json.dumps(out))
 
 
+# label: (model.compute_dtype, model.compute_mode)
+VARIANTS = {
+    "f32": ("float32", "autocast"),
+    "bf16 autocast": ("bfloat16", "autocast"),
+    "bf16 cast_weights": ("bfloat16", "cast_weights"),
+}
+
+
 def measure(threads: int = 1) -> dict:
     from bench.common import json_child
 
     return {
-        dtype: json_child(
+        label: json_child(
             "bench.update_profile",
             "--child",
-            json.dumps({"compute_dtype": dtype, "threads": threads}),
+            json.dumps({"compute_dtype": dtype, "compute_mode": mode, "threads": threads}),
             threads=threads,
         )
-        for dtype in ("float32", "bfloat16")
+        for label, (dtype, mode) in VARIANTS.items()
     }
 
 
 def markdown(r: dict) -> str:
     lines = [
-        "# Where a SmolLM2-135M update spends its time: f32 and bf16 autocast",
+        "# Where a SmolLM2-135M update spends its time: f32, bf16 autocast, bf16 cast_weights",
         "",
         "Produced by `python -m bench.update_profile` (one thread; bench.trl_real's step: 8 "
         "prompts x 4 completions of 32 tokens, micro-batches of 16). Shares are of the phase's "
         "wall time, from torch.profiler's self CPU times; they vary by CPU (its bf16 units) "
         "and torch build.",
         "",
-        "| phase | compute dtype | wall s | matmul | attention | other ops | outside ops |",
+        "| phase | compute | wall s | matmul | attention | other ops | outside ops |",
         "|---|---|---|---|---|---|---|",
     ]
     for dtype, res in r.items():
@@ -84,6 +93,9 @@ def markdown(r: dict) -> str:
                 f"{100 * p['attention_share']:.0f}% | {100 * p['other_ops_share']:.0f}% | "
                 f"{100 * p['outside_ops_share']:.0f}% |"
             )
+    base = r["f32"]["update"]["s"]
+    lines += ["", "The update's wall time over f32's, in this run:", ""]
+    lines += [f"- {label}: {res['update']['s'] / base:.2f}" for label, res in r.items()]
     for dtype, res in r.items():
         lines += [
             "",

@@ -179,9 +179,7 @@ def test_hacpo_series_averages_only_steps_every_seed_logged(tmp_path: Path) -> N
     for seed, values in {0: [1.0, 2.0, 3.0], 1: [3.0, 4.0]}.items():
         run_dir = tmp_path / f"s{seed}"
         run_dir.mkdir()
-        rows = [
-            {"node": "a", "step": step, "hacpo/capability": v} for step, v in enumerate(values)
-        ]
+        rows = [{"node": "a", "step": step, "hacpo/capability": v} for step, v in enumerate(values)]
         rows.append({"node": "a", "step": 5, "other": 1.0})
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         runs.append(NodeRun("p", "hacpo", "a", seed, run_dir))

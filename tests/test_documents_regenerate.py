@@ -40,7 +40,17 @@ STUDIES = [
 
 def test_the_committed_studies_are_found():
     names = {p.stem for p in _committed()}
-    assert {"reasoning", "collab", "fgrpo", "dpo", "poisoning", "swarm", "paper", "wire", "groups"} <= names
+    assert {
+        "reasoning",
+        "collab",
+        "fgrpo",
+        "dpo",
+        "poisoning",
+        "swarm",
+        "paper",
+        "wire",
+        "groups",
+    } <= names
 
 
 @pytest.mark.parametrize("path", STUDIES)

@@ -118,7 +118,9 @@ def test_peers_with_different_tokenizers_take_the_bridged_path(tmp_path):
         assert all(r["exchange/rejected"] == 0 for r in trained)
         # a mean over the bridged sequences the update ran, absent where none ran
         assert all(
-            (r["bridge/mean_weight"] >= 0) if r["bridge/weighted"] else "bridge/mean_weight" not in r
+            (r["bridge/mean_weight"] >= 0)
+            if r["bridge/weighted"]
+            else "bridge/mean_weight" not in r
             for r in trained
         )
     log_a = (out / "logs" / "a.log").read_text()

@@ -123,3 +123,74 @@ def test_dtypes_this_machine_cannot_run_are_refused():
     if not torch.cuda.is_available():
         with pytest.raises(ModelLoadError, match="model.dtype float16 is not supported"):
             build_model(ModelConfig(preset="llama-xs", dtype="float16"))
+
+
+def _bf16_node(mode: str):
+    node = tiny_node("grpo", lr=1e-3)
+    model_cfg = node.cfg.model.model_copy(
+        update={"compute_dtype": "bfloat16", "compute_mode": mode}
+    )
+    node.cfg = node.cfg.model_copy(update={"model": model_cfg})
+    return node
+
+
+def test_cast_weights_gradients_are_the_f32_gradients_to_bf16_precision_on_the_masters():
+    """model.compute_mode cast_weights: the forward and backward run on bf16 copies, yet the
+    gradients land, in f32, on the model's own (f32) parameters, summed over micro-batches;
+    the copies are gone afterwards. Within bf16 precision of the f32 gradient (cosine > 0.99),
+    not equal to it (the bf16 path really ran)."""
+    from ftis.models.precision import CastWeights
+
+    model = build_model(ModelConfig(preset="llama-xs", init_seed=3))
+    originals = [(n, p) for n, p in model.named_parameters()]
+    ids, mask = left_pad(PROMPTS, TOK.pad_token_id)
+    comp = torch.randint(3, len(TOK), (len(PROMPTS), 5), generator=torch.Generator().manual_seed(1))
+
+    def loss_of(rows):
+        lp = completion_logprobs(
+            model,
+            prompt_ids=ids[rows],
+            prompt_mask=mask[rows],
+            completion_ids=comp[rows],
+            completion_mask=torch.ones_like(comp[rows]),
+        )
+        return -lp.sum()
+
+    loss_of(slice(None)).backward()
+    f32 = {n: p.grad.clone() for n, p in originals}
+    model.zero_grad(set_to_none=True)
+    with CastWeights(model, torch.bfloat16) as cast:
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+        for rows in (slice(0, 2), slice(2, 3)):  # two micro-batches, summed in f32
+            loss_of(rows).backward()
+            cast.accumulate()
+    assert [(n, p) for n, p in model.named_parameters()] == originals  # the masters are back
+    for n, p in originals:
+        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, n
+        g, ref = p.grad.flatten(), f32[n].flatten()
+        if ref.norm() < 1e-6:
+            continue
+        cos = float(torch.nn.functional.cosine_similarity(g, ref, dim=0))
+        assert cos > 0.99, (n, cos)
+    assert any(not torch.equal(p.grad, f32[n]) for n, p in originals)
+
+
+def test_cast_weights_update_steps_the_f32_masters():
+    node = _bf16_node("cast_weights")
+    problems = [TASK.split("train")[i] for i in range(3)]
+    batch = sampling.generate(
+        node, TASK, problems, slots=(0, 4), cfg=TrainConfig(max_new_tokens=5, group_size=4), step=1
+    )
+    params = list(node.model.parameters())
+    before = [p.detach().clone() for p in params]
+    adv = torch.linspace(-1, 1, batch.num_sequences)
+    metrics = update_mod.update(node, TASK, batch, adv, loss_cfg=node.cfg.loss, micro_batch_size=4)
+    assert metrics["grad_norm"] > 0
+    assert list(node.model.parameters()) == params  # the same f32 parameters, the optimizer's
+    assert all(p.dtype == torch.float32 for p in params)
+    assert all(bool((p.detach() != b).any()) for p, b in zip(params, before))
+
+
+def test_cast_weights_needs_a_bf16_compute_dtype():
+    with pytest.raises(ValidationError, match="model.compute_mode cast_weights"):
+        ModelConfig(preset="llama-xs", compute_mode="cast_weights")

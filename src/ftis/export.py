@@ -166,8 +166,10 @@ def model_card(run_dir: Path, cfg, node: str, step: int, *, prompt_format: str, 
     base = model.name or model.gguf or model.path or f"ftis preset {model.preset}"
     lora = model.lora
     task = cfg.task
-    what = getattr(task, "datasets", None) or getattr(task, "skills", None) or getattr(
-        task, "ops", None
+    what = (
+        getattr(task, "datasets", None)
+        or getattr(task, "skills", None)
+        or getattr(task, "ops", None)
     )
     peers = [n.name for n in cfg.nodes if n.name != node]
     method = node_cfg.loss.method

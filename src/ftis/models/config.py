@@ -62,6 +62,15 @@ class ModelConfig(BaseModel):
         "(mixed precision; fast on CPUs with bf16 matmul instructions such as AVX512_BF16/AMX "
         "and on GPUs). Sampled tokens' log-probs are still recorded exactly in float32.",
     )
+    compute_mode: Literal["autocast", "cast_weights"] = Field(
+        "autocast",
+        description="With compute_dtype bfloat16, how the update runs (and the forwards its "
+        "ratios divide by): 'autocast' keeps the residual stream in float32 and casts each "
+        "weight at each use and micro-batch; 'cast_weights' casts the weights to bf16 once per "
+        "update and runs forward and backward in bf16 end to end, summing gradients into the "
+        "float32 master weights, which the optimizer steps (faster on CPUs with bf16 units: "
+        "docs/BENCHMARKS.md). Sampling and evaluation run under autocast either way.",
+    )
     init_seed: int = Field(0, description="Seed of a preset's random initialisation.")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto",
@@ -95,6 +104,12 @@ class ModelConfig(BaseModel):
                 "model.dtype float16 is not supported on the CPU (half-precision matmuls there "
                 "are slow and training without loss scaling underflows); use model.dtype "
                 "float32 with model.compute_dtype bfloat16, or run on a GPU"
+            )
+        if self.compute_mode == "cast_weights" and self.compute_dtype == "float32":
+            raise ValueError(
+                "model.compute_mode cast_weights casts the weights to model.compute_dtype for "
+                "the update, which is float32 here: set model.compute_dtype: bfloat16 (or leave "
+                "compute_mode at autocast)"
             )
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(

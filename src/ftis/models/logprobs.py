@@ -86,7 +86,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             e = min(s + chunk_rows, m)
             logits = (hidden[s:e].to(mm_dtype) @ w.t()).float()
             if temperature != 1.0:
-                logits = logits / temperature
+                logits.div_(temperature)  # a fresh tensor: in place, no second (rows, V) one
             lse[s:e] = torch.logsumexp(logits, dim=-1)
             out[s:e] = logits.gather(-1, targets[s:e, None]).squeeze(-1) - lse[s:e]
         ctx.save_for_backward(hidden, weight, targets, lse)
@@ -99,8 +99,19 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         temperature, chunk_rows, mm_dtype = ctx.temperature, ctx.chunk_rows, ctx.mm_dtype
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
+        # The weight's gradient: summed in place by each chunk's matmul (addmm_, which
+        # accumulates in f32 inside) when the weight is in the matmul's dtype, as under
+        # model.compute_mode cast_weights or in f32; else (bf16 matmuls on f32 weights, autocast)
+        # summed in f32 and cast once.
+        in_place = weight.dtype == mm_dtype
         grad_w = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+            torch.zeros(
+                weight.shape,
+                dtype=weight.dtype if in_place else torch.float32,
+                device=weight.device,
+            )
+            if need_w
+            else None
         )
         w = weight.to(mm_dtype)
         grad_out = grad_out.float()
@@ -109,18 +120,22 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             h = hidden[s:e].to(mm_dtype)
             logits = (h @ w.t()).float()
             if temperature != 1.0:
-                logits = logits / temperature
+                logits.div_(temperature)
             g = grad_out[s:e, None]
-            # d/dz [z_t - logsumexp(z)] = onehot(t) - softmax(z), z = logits / temperature.
-            grad_logits = torch.exp(logits - lse[s:e, None]).mul_(-g)
+            # d/dz [z_t - logsumexp(z)] = onehot(t) - softmax(z), z = logits / temperature;
+            # in place on the chunk's fresh logits, so no second (rows, V) tensor is made.
+            grad_logits = logits.sub_(lse[s:e, None]).exp_().mul_(-g)
             grad_logits.scatter_add_(-1, targets[s:e, None], g)
             if temperature != 1.0:
-                grad_logits = grad_logits / temperature
+                grad_logits.div_(temperature)
             grad_logits = grad_logits.to(mm_dtype)
             if need_h:
                 grad_h[s:e] = (grad_logits @ w).to(hidden.dtype)
             if need_w:
-                grad_w += (grad_logits.t() @ h).float()
+                if in_place:
+                    grad_w.addmm_(grad_logits.t(), h)
+                else:
+                    grad_w += (grad_logits.t() @ h).float()
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
 
 

@@ -76,3 +76,92 @@ class SamplerCopy:
                 d.copy_(s_)
         self.copy.train(model.training)
         return self.copy
+
+
+COMPUTE_MODES = ("autocast", "cast_weights")
+
+
+class CastWeights:
+    """The update's forward and backward passes on a low-precision working copy of the weights
+    (`model.compute_mode: cast_weights`): entering swaps every floating-point parameter of the
+    model for a copy in `dtype` (made once, at entry, so once per update rather than once per
+    weight use and micro-batch as under autocast; tied parameters stay tied), so activations,
+    matmuls and their gradients run in `dtype` end to end with no cast between ops;
+    :meth:`accumulate`, after each micro-batch's backward, adds the copies' gradients into the
+    float32 master parameters' `.grad` (in float32, so micro-batches sum without bf16 rounding)
+    and frees them; leaving puts the masters back, for the optimizer to step in float32.
+    Buffers keep their dtype (RoPE's inverse frequencies, as in SamplerCopy)."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
+        self.model, self.dtype = model, dtype
+        self._slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+        self._pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
+
+    def __enter__(self) -> CastWeights:
+        work: dict[int, torch.nn.Parameter] = {}
+        for module in self.model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is None or not p.is_floating_point() or p.dtype == self.dtype:
+                    continue
+                w = work.get(id(p))
+                if w is None:
+                    w = torch.nn.Parameter(p.detach().to(self.dtype), requires_grad=p.requires_grad)
+                    work[id(p)] = w
+                    if p.requires_grad:
+                        self._pairs.append((p, w))
+                self._slots.append((module, name, p))
+                module._parameters[name] = w
+        return self
+
+    def forward(self):
+        """The context of one forward pass: none is needed, the weights are already cast."""
+        return contextlib.nullcontext()
+
+    def accumulate(self) -> None:
+        """Add the working copies' gradients into the masters' (float32) and free them."""
+        with torch.no_grad():
+            for master, w in self._pairs:
+                if w.grad is None:
+                    continue
+                if master.grad is None:
+                    master.grad = w.grad.to(master.dtype)
+                else:
+                    master.grad.add_(w.grad)  # f32 += bf16 in one pass, no cast copy
+                w.grad = None
+
+    def __exit__(self, *exc) -> None:
+        for module, name, p in reversed(self._slots):
+            module._parameters[name] = p
+        self._slots.clear()
+        self._pairs.clear()
+
+
+class _Autocast:
+    """CastWeights's interface for `model.compute_mode: autocast`: each forward under
+    `compute_context` (backward outside it), gradients land on the masters already."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype | None) -> None:
+        self.device, self.dtype = device, dtype
+
+    def __enter__(self) -> _Autocast:
+        return self
+
+    def forward(self):
+        return compute_context(self.device, self.dtype)
+
+    def accumulate(self) -> None:
+        pass
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def update_compute(model: torch.nn.Module, model_cfg) -> CastWeights | _Autocast:
+    """How the update (and the forwards whose log-probs its ratios divide by: scoring, the own
+    ratio's reference) runs a node's model under `model_cfg` (its `compute_dtype` and
+    `compute_mode`): a context to hold while the update runs, with `.forward()`, the context of
+    each forward pass, and `.accumulate()`, to call after each backward."""
+    dtype = model_compute_dtype(model_cfg.compute_dtype)
+    if dtype is not None and getattr(model_cfg, "compute_mode", "autocast") == "cast_weights":
+        return CastWeights(model, dtype)
+    return _Autocast(next(model.parameters()).device, dtype)

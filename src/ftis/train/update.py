@@ -23,7 +23,7 @@ from ftis.core.kl import kl_penalty
 from ftis.core.losses import drop_mode_grad_scale, policy_loss, resolve_method
 from ftis.core.reco import reco_weights, variance_ratio_summary
 from ftis.models.logprobs import shared_prompt_completion_logprobs
-from ftis.models.precision import compute_context, model_compute_dtype
+from ftis.models.precision import update_compute
 from ftis.rollout.sampler import left_pad
 from ftis.rollout.types import RolloutBatch
 from ftis.tasks.base import Task
@@ -145,152 +145,155 @@ def update(
     track_mismatch = node.sampler_copy is not None and update_index == 0
     mismatch = [0.0, 0]  # sum of k3 over own tokens, their count
     lower = peer_clip_lower(update_index, loss_cfg.hacpo_clip_lower, loss_cfg.hacpo_clip_step)
-    # model.compute_dtype bfloat16: forward passes under autocast (weights, gradients and the
-    # optimizer stay in model.dtype; log-probs come out in f32); backward runs outside it.
-    compute_dtype = model_compute_dtype(node.cfg.model.compute_dtype)
-    model_dev = next(node.model.parameters()).device
-    for start in range(0, n, mb):
-        sl = slice(start, min(start + mb, n))
-        # Each prompt of the micro-batch runs through the model once; its G completions share
-        # its KV cache (models/logprobs.py). Trim to the micro-batch's longest completion.
-        unique, prompt_of = torch.unique(batch.prompt_index[sl], return_inverse=True)
-        prompt_ids, prompt_mask = left_pad(
-            [prompt_cache[i] for i in unique.tolist()], tok.pad_token_id
-        )
-        width = max(int(batch.lengths[sl].max()), 1)
-        comp = batch.completion_ids[sl, :width]
-        mask = mask_all[sl, :width]
-        # the micro-batch's completion log-probs under a model (the node's, its reference)
-        completion_logprobs = functools.partial(
-            shared_prompt_completion_logprobs,
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            prompt_of=prompt_of,
-            completion_ids=comp,
-            completion_mask=mask.long(),
-            temperature=temperature,
-        )
-        with compute_context(model_dev, compute_dtype):
-            logprobs = completion_logprobs(node.model)
-        dev = logprobs.device  # the model's: a GPU node trains on the GPU, batches stay on CPU
-        if track_mismatch:
-            with torch.no_grad():
-                where = mask.to(dev) & ~bridged_all[sl].to(dev)[:, None]
-                if own is not None:
-                    where = where & own[sl].to(dev)[:, None]
-                d = logprobs.detach() - batch.sampler_logprobs[sl, :width].to(dev)
-                d = torch.where(where, d.clamp(-20.0, 20.0), torch.zeros_like(d))
-                mismatch[0] += float((torch.expm1(d) - d).sum())  # k3 = e^d - 1 - d
-                mismatch[1] += int(where.sum())
-        br = bridged_all[sl].to(dev)
-        ex = ~br
-        all_exact = not bool(br.any())
-        sel = slice(None) if all_exact else ex  # the rows policy_loss sees
-        loss, metrics = policy_loss(
-            logprobs[sel],
-            ratio_base[sl, :width].to(dev)[sel],
-            advantages[sl].to(dev)[sel],
-            mask.to(dev)[sel],
-            method=loss_cfg.method,
-            is_cap=loss_cfg.is_cap,
-            clip_eps=loss_cfg.clip_eps,
-            filter_threshold=loss_cfg.filter_threshold,
-            filter_stat_norm=loss_cfg.filter_stat_norm,
-            filter_mode=loss_cfg.filter_mode,
-            num_sequences=n_total,
-            padded_width=width_all,
-            sequence_weights=None
-            if sequence_weights is None
-            else sequence_weights[sl].to(dev)[sel],
-            reco_token_ratio=loss_cfg.reco_token_ratio,
-            reco_tis=loss_cfg.reco_tis,
-            reco_clip=loss_cfg.reco_clip,
-            own=None if own is None else own[sl].to(dev)[sel],
-            shaping_gamma=loss_cfg.shaping_gamma,
-            peer_scale=None if peer_scale is None else peer_scale[sl].to(dev)[sel],
-            peer_clip_lower=lower,
-            hacpo_alpha=loss_cfg.hacpo_alpha,
-            gspo_eps_low=loss_cfg.gspo_eps_low,
-            gspo_eps_high=loss_cfg.gspo_eps_high,
-            peer_dual_clip=loss_cfg.peer_dual_clip,
-        )
-        if not all_exact:
-            base, use_filter = resolve_method(loss_cfg.method)
-            out = bridged_loss(
-                logprobs[br],
-                mask.to(dev)[br],
-                advantages[sl].to(dev)[br],
-                sampler_total=bridge_total[sl].to(dev)[br],
-                sampler_length=bridge_length[sl].to(dev)[br],
-                method=base,
-                use_filter=use_filter,
+    # model.compute_dtype bfloat16: under compute_mode autocast, forward passes under autocast
+    # (weights, gradients and the optimizer stay in model.dtype; log-probs come out in f32) and
+    # backward outside it; under cast_weights, forward and backward on a bf16 copy of the
+    # weights made here once, gradients summed into the f32 masters after each backward.
+    compute = update_compute(node.model, node.cfg.model)
+    with compute:
+        for start in range(0, n, mb):
+            sl = slice(start, min(start + mb, n))
+            # Each prompt of the micro-batch runs through the model once; its G completions share
+            # its KV cache (models/logprobs.py). Trim to the micro-batch's longest completion.
+            unique, prompt_of = torch.unique(batch.prompt_index[sl], return_inverse=True)
+            prompt_ids, prompt_mask = left_pad(
+                [prompt_cache[i] for i in unique.tolist()], tok.pad_token_id
+            )
+            width = max(int(batch.lengths[sl].max()), 1)
+            comp = batch.completion_ids[sl, :width]
+            mask = mask_all[sl, :width]
+            # the micro-batch's completion log-probs under a model (the node's, its reference)
+            completion_logprobs = functools.partial(
+                shared_prompt_completion_logprobs,
+                prompt_ids=prompt_ids,
+                prompt_mask=prompt_mask,
+                prompt_of=prompt_of,
+                completion_ids=comp,
+                completion_mask=mask.long(),
+                temperature=temperature,
+            )
+            with compute.forward():
+                logprobs = completion_logprobs(node.model)
+            dev = logprobs.device  # the model's: a GPU node trains on the GPU, batches stay on CPU
+            if track_mismatch:
+                with torch.no_grad():
+                    where = mask.to(dev) & ~bridged_all[sl].to(dev)[:, None]
+                    if own is not None:
+                        where = where & own[sl].to(dev)[:, None]
+                    d = logprobs.detach() - batch.sampler_logprobs[sl, :width].to(dev)
+                    d = torch.where(where, d.clamp(-20.0, 20.0), torch.zeros_like(d))
+                    mismatch[0] += float((torch.expm1(d) - d).sum())  # k3 = e^d - 1 - d
+                    mismatch[1] += int(where.sum())
+            br = bridged_all[sl].to(dev)
+            ex = ~br
+            all_exact = not bool(br.any())
+            sel = slice(None) if all_exact else ex  # the rows policy_loss sees
+            loss, metrics = policy_loss(
+                logprobs[sel],
+                ratio_base[sl, :width].to(dev)[sel],
+                advantages[sl].to(dev)[sel],
+                mask.to(dev)[sel],
+                method=loss_cfg.method,
                 is_cap=loss_cfg.is_cap,
                 clip_eps=loss_cfg.clip_eps,
                 filter_threshold=loss_cfg.filter_threshold,
+                filter_stat_norm=loss_cfg.filter_stat_norm,
+                filter_mode=loss_cfg.filter_mode,
+                num_sequences=n_total,
+                padded_width=width_all,
+                sequence_weights=None
+                if sequence_weights is None
+                else sequence_weights[sl].to(dev)[sel],
+                reco_token_ratio=loss_cfg.reco_token_ratio,
+                reco_tis=loss_cfg.reco_tis,
+                reco_clip=loss_cfg.reco_clip,
+                own=None if own is None else own[sl].to(dev)[sel],
                 shaping_gamma=loss_cfg.shaping_gamma,
-                peer_scale=None if peer_scale is None else peer_scale[sl].to(dev)[br],
+                peer_scale=None if peer_scale is None else peer_scale[sl].to(dev)[sel],
                 peer_clip_lower=lower,
                 hacpo_alpha=loss_cfg.hacpo_alpha,
-                gspo_eps=(loss_cfg.gspo_eps_low, loss_cfg.gspo_eps_high),
+                gspo_eps_low=loss_cfg.gspo_eps_low,
+                gspo_eps_high=loss_cfg.gspo_eps_high,
                 peer_dual_clip=loss_cfg.peer_dual_clip,
             )
-            weights = out.per_sequence
-            if sequence_weights is not None:
-                weights = weights * sequence_weights[sl].to(dev)[br].detach()
-            bridged_part = weights.sum() / float(max(n_total, 1))
-            loss = loss + bridged_part
-            metrics["loss"] = metrics["loss"] + bridged_part.detach()
-            metrics["kept_sequences"] = metrics["kept_sequences"] + (~out.filtered).sum()
-            bridge_sums["weight"] += float(out.weight.sum())
-            bridge_sums["filtered"] += float(out.filtered.sum())
-            bridge_sums["stat"] += float(out.divergence.sum())
-            bridge_sums["clipped"] += float(out.clipped.sum())
-        if reco and loss_cfg.reco_token_ratio:
-            metrics.update(
-                variance_ratio_summary(
-                    logprobs, batch.sampler_logprobs[sl, :width].to(dev), mask.to(dev)
+            if not all_exact:
+                base, use_filter = resolve_method(loss_cfg.method)
+                out = bridged_loss(
+                    logprobs[br],
+                    mask.to(dev)[br],
+                    advantages[sl].to(dev)[br],
+                    sampler_total=bridge_total[sl].to(dev)[br],
+                    sampler_length=bridge_length[sl].to(dev)[br],
+                    method=base,
+                    use_filter=use_filter,
+                    is_cap=loss_cfg.is_cap,
+                    clip_eps=loss_cfg.clip_eps,
+                    filter_threshold=loss_cfg.filter_threshold,
+                    shaping_gamma=loss_cfg.shaping_gamma,
+                    peer_scale=None if peer_scale is None else peer_scale[sl].to(dev)[br],
+                    peer_clip_lower=lower,
+                    hacpo_alpha=loss_cfg.hacpo_alpha,
+                    gspo_eps=(loss_cfg.gspo_eps_low, loss_cfg.gspo_eps_high),
+                    peer_dual_clip=loss_cfg.peer_dual_clip,
                 )
-            )
-        if beta > 0:
-            with (
-                torch.no_grad(),
-                node.reference() as ref_model,
-                compute_context(model_dev, compute_dtype),
-            ):
-                ref_logprobs = completion_logprobs(ref_model)
-            kl_mask = mask.to(dev)
-            if kl_own_only and own is not None:
-                # HACPO: the KL term on the learner's own sequences only (the paper's); a
-                # peer's row counts in N but adds nothing (docs/math.md §12, §14)
-                kl_mask = kl_mask & own[sl].to(dev)[:, None]
-            kl = kl_penalty(
-                logprobs,
-                ref_logprobs=ref_logprobs.to(dev),
-                mask=kl_mask,
-                num_sequences=n_total,
-            )
-            loss = loss + beta * kl
-            metrics["loss"] = loss.detach()
-            metrics["kl"] = kl.detach()  # summed over micro-batches below: already / global N
-        if not torch.isfinite(loss):
-            node.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteError(
-                f"non-finite loss {float(loss.detach())} in micro-batch at {start}"
-            )
-        loss.backward()
-        # policy_loss's means describe the exact rows of the micro-batch
-        exact_rows = (sl.stop - sl.start) if all_exact else int(ex.sum())
-        weight = exact_rows / n_exact if n_exact else 0.0
-        for k, v in metrics.items():
-            v = float(v)
-            if k.endswith("_max"):
-                totals[k] = max(totals.get(k, -math.inf), v)
-            elif k == "kept_sequences":
-                kept_total += v
-            elif k in ("loss", "kl"):
-                totals[k] = totals.get(k, 0.0) + v  # already divided by the global N
-            else:
-                totals[k] = totals.get(k, 0.0) + v * weight
+                weights = out.per_sequence
+                if sequence_weights is not None:
+                    weights = weights * sequence_weights[sl].to(dev)[br].detach()
+                bridged_part = weights.sum() / float(max(n_total, 1))
+                loss = loss + bridged_part
+                metrics["loss"] = metrics["loss"] + bridged_part.detach()
+                metrics["kept_sequences"] = metrics["kept_sequences"] + (~out.filtered).sum()
+                bridge_sums["weight"] += float(out.weight.sum())
+                bridge_sums["filtered"] += float(out.filtered.sum())
+                bridge_sums["stat"] += float(out.divergence.sum())
+                bridge_sums["clipped"] += float(out.clipped.sum())
+            if reco and loss_cfg.reco_token_ratio:
+                metrics.update(
+                    variance_ratio_summary(
+                        logprobs, batch.sampler_logprobs[sl, :width].to(dev), mask.to(dev)
+                    )
+                )
+            if beta > 0:
+                with (
+                    torch.no_grad(),
+                    node.reference() as ref_model,
+                    compute.forward(),
+                ):
+                    ref_logprobs = completion_logprobs(ref_model)
+                kl_mask = mask.to(dev)
+                if kl_own_only and own is not None:
+                    # HACPO: the KL term on the learner's own sequences only (the paper's); a
+                    # peer's row counts in N but adds nothing (docs/math.md §12, §14)
+                    kl_mask = kl_mask & own[sl].to(dev)[:, None]
+                kl = kl_penalty(
+                    logprobs,
+                    ref_logprobs=ref_logprobs.to(dev),
+                    mask=kl_mask,
+                    num_sequences=n_total,
+                )
+                loss = loss + beta * kl
+                metrics["loss"] = loss.detach()
+                metrics["kl"] = kl.detach()  # summed over micro-batches below: already / global N
+            if not torch.isfinite(loss):
+                node.optimizer.zero_grad(set_to_none=True)
+                raise NonFiniteError(
+                    f"non-finite loss {float(loss.detach())} in micro-batch at {start}"
+                )
+            loss.backward()
+            compute.accumulate()
+            # policy_loss's means describe the exact rows of the micro-batch
+            exact_rows = (sl.stop - sl.start) if all_exact else int(ex.sum())
+            weight = exact_rows / n_exact if n_exact else 0.0
+            for k, v in metrics.items():
+                v = float(v)
+                if k.endswith("_max"):
+                    totals[k] = max(totals.get(k, -math.inf), v)
+                elif k == "kept_sequences":
+                    kept_total += v
+                elif k in ("loss", "kl"):
+                    totals[k] = totals.get(k, 0.0) + v  # already divided by the global N
+                else:
+                    totals[k] = totals.get(k, 0.0) + v * weight
     params = [p for p in node.model.parameters() if p.requires_grad]
     if n == 0:
         # Nothing to run: the exact gradient is 0. Adam still steps (its moments move), as it
@@ -416,7 +419,6 @@ def own_ratio_reference(
     samples were drawn with; the forward runs as the update's does (model.compute_dtype), so the
     first update's own ratios are exactly 1 and GSPO's clip window sees only the policy's change
     over the round, not the sampler's rounding."""
-    from ftis.models.precision import compute_context, model_compute_dtype
     from ftis.train.scoring import model_logprobs
 
     loss_cfg = node.cfg.loss
@@ -433,8 +435,8 @@ def own_ratio_reference(
     mine = mine & ~bridged.cpu().bool()  # a bridged peer has no per-token sampler log-probs
     if not bool(mine.any()):
         return None, None
-    model_dev = next(node.model.parameters()).device
-    with compute_context(model_dev, model_compute_dtype(node.cfg.model.compute_dtype)):
+    compute = update_compute(node.model, node.cfg.model)
+    with compute, compute.forward():
         trainer = model_logprobs(
             node,
             task,

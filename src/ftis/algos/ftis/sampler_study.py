@@ -111,6 +111,7 @@ def arm_table(page: Page) -> list[str]:
         runs = _runs(page.results, arm)
         if not runs:
             continue
+
         def solved(r: ArmResult, node: str, step: int) -> float | None:
             return _solved(page.out_dir, r, node, step)
 
