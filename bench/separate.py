@@ -71,12 +71,27 @@ def _wire(r: dict) -> list[tuple[str, str, str]]:
     ]
 
 
+def _update(r: dict) -> list[tuple[str, str, str]]:
+    v = r["variants"]
+    base = v["f32"]["plain"]["update"]
+    auto = v["bf16 autocast"]["plain"]["update"] / base
+    return [
+        (
+            "update time, bf16 `compute_mode: cast_weights` / f32, SmolLM2-135M-Instruct "
+            f"({r['threads']} thread, no profiler; bf16 autocast / f32: {auto:.3f})",
+            f"{v['bf16 cast_weights']['plain']['update'] / base:.3f}",
+            "<= 0.5",
+        )
+    ]
+
+
 # (page stem, the command that writes it, rows from its .json)
 SEPARATE: tuple[tuple[str, str, Callable[[dict], list[tuple[str, str, str]]]], ...] = (
     ("bf16-sampler", "python -m bench.sampler_dtype", _bf16),
     ("trl-smollm2", "python -m bench.trl_real", _trl),
     ("sweep-jobs", "python -m bench.sweep_jobs", _jobs),
     ("wire-smollm2", "python -m bench.wire_real", _wire),
+    ("update-profile", "python -m bench.update_profile", _update),
 )
 
 

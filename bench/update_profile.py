@@ -25,7 +25,7 @@ OUT = ROOT / "docs" / "results" / "update-profile"
 def _child_main(arg: str) -> None:
     import torch
 
-    from bench.scale import profile_node
+    from bench.scale import _ftis_round, profile_node
     from bench.trl_real import GROUP, LENGTH, LR, MICRO, _setup
     from ftis.config import LossConfig, NodeConfig, OptimConfig
     from ftis.train.loop import peak_rss_mb
@@ -44,9 +44,13 @@ def _child_main(arg: str) -> None:
         tokenizer=tok,
         optimizer=build_optimizer(model, node_cfg.optim),
     )
-    out = profile_node(
-        node, task, prompts, {"group": GROUP, "length": LENGTH, "micro_batch": MICRO}
-    )
+    shape = {"group": GROUP, "length": LENGTH, "micro_batch": MICRO}
+    out = profile_node(node, task, prompts, shape)
+    # the same step again without the profiler (whose per-op cost falls unevenly on the
+    # variants): the wall times the ratios are read from
+    timings: dict[str, list[float]] = {}
+    _ftis_round(node, task, prompts, cfg=shape, step=2, timings=timings)
+    out["plain"] = {k: timings[k][0] for k in ("sample", "update", "step")}
     out["peak_rss_mb"] = peak_rss_mb()
     print(json.dumps(out))
 
@@ -61,31 +65,39 @@ VARIANTS = {
 
 def measure(threads: int = 1) -> dict:
     from bench.common import json_child
+    from ftis.study.runner import code_version
 
     return {
-        label: json_child(
-            "bench.update_profile",
-            "--child",
-            json.dumps({"compute_dtype": dtype, "compute_mode": mode, "threads": threads}),
-            threads=threads,
-        )
-        for label, (dtype, mode) in VARIANTS.items()
+        "commit": code_version(),
+        "threads": threads,
+        "variants": {
+            label: json_child(
+                "bench.update_profile",
+                "--child",
+                json.dumps({"compute_dtype": dtype, "compute_mode": mode, "threads": threads}),
+                threads=threads,
+            )
+            for label, (dtype, mode) in VARIANTS.items()
+        },
     }
 
 
 def markdown(r: dict) -> str:
+    v = r["variants"]
     lines = [
         "# Where a SmolLM2-135M update spends its time: f32, bf16 autocast, bf16 cast_weights",
         "",
-        "Produced by `python -m bench.update_profile` (one thread; bench.trl_real's step: 8 "
-        "prompts x 4 completions of 32 tokens, micro-batches of 16). Shares are of the phase's "
-        "wall time, from torch.profiler's self CPU times; they vary by CPU (its bf16 units) "
-        "and torch build.",
+        f"Produced by `python -m bench.update_profile` at commit `{r['commit']}` "
+        f"({r['threads']} thread(s); bench.trl_real's step: 8 "
+        "prompts x 4 completions of 32 tokens, micro-batches of 16), each variant in a fresh "
+        "process: a warm-up step, a step under torch.profiler, then the same step without it. "
+        "Shares are of the profiled phase's wall time, from torch.profiler's self CPU times; "
+        "they, and every time, vary by CPU (its bf16 units) and torch build.",
         "",
         "| phase | compute | wall s | matmul | attention | other ops | outside ops |",
         "|---|---|---|---|---|---|---|",
     ]
-    for dtype, res in r.items():
+    for dtype, res in v.items():
         for phase in ("sample", "update"):
             p = res[phase]
             lines.append(
@@ -93,10 +105,20 @@ def markdown(r: dict) -> str:
                 f"{100 * p['attention_share']:.0f}% | {100 * p['other_ops_share']:.0f}% | "
                 f"{100 * p['outside_ops_share']:.0f}% |"
             )
-    base = r["f32"]["update"]["s"]
-    lines += ["", "The update's wall time over f32's, in this run:", ""]
-    lines += [f"- {label}: {res['update']['s'] / base:.2f}" for label, res in r.items()]
-    for dtype, res in r.items():
+    base = v["f32"]["plain"]["update"]
+    lines += [
+        "",
+        "Without the profiler: the update's wall time, and its ratio to f32's, in this run:",
+        "",
+        "| compute | update s | / f32 | step s |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {label} | {res['plain']['update']:.2f} | {res['plain']['update'] / base:.2f} | "
+        f"{res['plain']['step']:.2f} |"
+        for label, res in v.items()
+    ]
+    for dtype, res in v.items():
         lines += [
             "",
             f"Top ops of the update, {dtype}:",
