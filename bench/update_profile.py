@@ -33,6 +33,12 @@ def _child_main(arg: str) -> None:
 
     cfg = json.loads(arg)
     torch.set_num_threads(int(cfg.get("threads", 1)))
+    import os
+
+    from ftis.train.allocator import keep_large_blocks
+
+    os.environ["FTIS_MALLOC_KEEP"] = cfg.get("malloc_keep", "1")
+    keep_large_blocks()  # as build_node does; FTIS_MALLOC_KEEP=0 (the last variant) opts out
     model_cfg, model, tok, task, prompts = _setup(cfg["compute_dtype"], cfg["compute_mode"])
     node_cfg = NodeConfig(
         name="bench", model=model_cfg, optim=OptimConfig(lr=LR), loss=LossConfig(method="grpo")
@@ -55,11 +61,12 @@ def _child_main(arg: str) -> None:
     print(json.dumps(out))
 
 
-# label: (model.compute_dtype, model.compute_mode)
+# label: (model.compute_dtype, model.compute_mode, FTIS_MALLOC_KEEP: ftis.train.allocator)
 VARIANTS = {
-    "f32": ("float32", "autocast"),
-    "bf16 autocast": ("bfloat16", "autocast"),
-    "bf16 cast_weights": ("bfloat16", "cast_weights"),
+    "f32": ("float32", "autocast", "1"),
+    "bf16 autocast": ("bfloat16", "autocast", "1"),
+    "bf16 cast_weights": ("bfloat16", "cast_weights", "1"),
+    "bf16 cast_weights, FTIS_MALLOC_KEEP=0": ("bfloat16", "cast_weights", "0"),
 }
 
 
@@ -74,10 +81,17 @@ def measure(threads: int = 1) -> dict:
             label: json_child(
                 "bench.update_profile",
                 "--child",
-                json.dumps({"compute_dtype": dtype, "compute_mode": mode, "threads": threads}),
+                json.dumps(
+                    {
+                        "compute_dtype": dtype,
+                        "compute_mode": mode,
+                        "malloc_keep": keep,
+                        "threads": threads,
+                    }
+                ),
                 threads=threads,
             )
-            for label, (dtype, mode) in VARIANTS.items()
+            for label, (dtype, mode, keep) in VARIANTS.items()
         },
     }
 

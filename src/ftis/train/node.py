@@ -84,6 +84,9 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
 
 def build_node(cfg: NodeConfig, *, rank: int, task_cfg: BaseModel, warm_progress=None) -> Node:
     """Warm start (cached), load, attach LoRA, and make the optimizer."""
+    from ftis.train.allocator import keep_large_blocks
+
+    keep_large_blocks()  # once per process: a real model's large buffers reused, not refaulted
     model_cfg = cfg.model
     if cfg.warm_start is not None:
         path = warm_start(model_cfg, cfg.warm_start, task_cfg, progress=warm_progress)
