@@ -80,13 +80,16 @@ class ModelConfig(BaseModel):
 
     @model_serializer(mode="wrap")
     def _without_unset_sources(self, handler):
-        # model.gguf / model.name appear in a dump only when set: warm-start cache keys and the
-        # shipped base models' keys digest this dump, and must not change for other models.
+        # model.gguf / model.name appear in a dump only when set, model.compute_mode only when
+        # not autocast: warm-start cache keys and the shipped base models' keys digest this
+        # dump, and must not change for other models.
         data = handler(self)
         if isinstance(data, dict):
             for field in ("gguf", "name"):
                 if data.get(field, 0) is None:
                     del data[field]
+            if data.get("compute_mode") == "autocast":  # the default, as before the field was
+                del data["compute_mode"]
         return data
 
     @model_validator(mode="after")
