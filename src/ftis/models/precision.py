@@ -78,9 +78,6 @@ class SamplerCopy:
         return self.copy
 
 
-COMPUTE_MODES = ("autocast", "cast_weights")
-
-
 class CastWeights:
     """The update's forward and backward passes on a low-precision working copy of the weights
     (`model.compute_mode: cast_weights`): entering swaps every floating-point parameter of the
@@ -157,10 +154,11 @@ class _Autocast:
 
 
 def update_compute(model: torch.nn.Module, model_cfg) -> CastWeights | _Autocast:
-    """How the update (and the forwards whose log-probs its ratios divide by: scoring, the own
-    ratio's reference) runs a node's model under `model_cfg` (its `compute_dtype` and
+    """How the update (and the forward whose log-probs its ratios may divide by, the own ratio's
+    reference) runs a node's model under `model_cfg` (its `compute_dtype` and
     `compute_mode`): a context to hold while the update runs, with `.forward()`, the context of
-    each forward pass, and `.accumulate()`, to call after each backward."""
+    each forward pass, and `.accumulate()`, to call after each backward. Under cast_weights a
+    separate reference model (the KL term's) still runs as its weights are."""
     dtype = model_compute_dtype(model_cfg.compute_dtype)
     if dtype is not None and getattr(model_cfg, "compute_mode", "autocast") == "cast_weights":
         return CastWeights(model, dtype)
