@@ -41,7 +41,8 @@ def _models(quick: bool) -> list[tuple[str, object, str | None]]:
     out = [("llama-20m", ModelConfig(preset="llama-20m"), None)]
     if quick:
         return out
-    from ftis.models.real import named_entry, named_model, read_manifest
+    from ftis.models.real import named_entry, read_manifest
+    from ftis.models.sources import named_model
 
     name = "smollm2-135m-instruct"
     why = None

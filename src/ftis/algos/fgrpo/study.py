@@ -55,7 +55,7 @@ from rich.console import Console
 
 from ftis.config import ConfigError, RunConfig, apply_overrides, format_validation_error
 from ftis.config import load_config as load_run_config
-from ftis.models.real import model_label
+from ftis.models.sources import model_label
 from ftis.study.runner import (
     RUN_META,
     SweepOutcome,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ftis.algos.fgrpo.study import CLIENT_EVAL, FGRPORun, FGRPOStudy, run_state
-from ftis.models.real import model_label
+from ftis.models.sources import model_label
 from ftis.study.document import partial_lines, reading_lines
 from ftis.study.pages import figure_lines, finish_axes, save
 from ftis.study.runner import complete_runs

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ftis.models.real import model_label
+from ftis.models.sources import model_label
 from ftis.study.document import reading_lines
 from ftis.study.pages import save
 from ftis.study.runner import complete_runs

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftis.models.real import model_label
+from ftis.models.sources import model_label
 from ftis.study.document import partial_lines, reading_lines
 from ftis.study.pages import figure_lines, finish_axes, save, section
 from ftis.study.runner import RUN_META, run_status

@@ -14,9 +14,75 @@ from __future__ import annotations
 import logging
 import random
 
-from ftis.algos.swarm.config import ChurnConfig, RandomChurn
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 log = logging.getLogger(__name__)
+
+
+class ChurnConfig(BaseModel):
+    """When `ftis run` starts, stops and restarts one peer (steps are the swarm's rounds).
+
+    join_at: start the peer once the swarm has reached this round (0: at once, with the
+        initial peers); its first round is the swarm's next one.
+    leave_at: the peer leaves after this step (a checkpoint, then it announces it is gone).
+    crash: leave by SIGKILL instead (no goodbye, no checkpoint beyond its last regular one: the
+        others stop waiting once its heartbeat expires).
+    rejoin_at: restart the peer from its checkpoint once the swarm has reached this round.
+    slow_s: a slow peer: it publishes each round's payload this many seconds late (virtual
+        seconds in the simulator); beyond `deadline_s` the others count its payloads as late.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    join_at: int = Field(0, ge=0)
+    leave_at: int | None = Field(None, ge=1)
+    crash: bool = False
+    rejoin_at: int | None = Field(None, ge=1)
+    slow_s: float = Field(0.0, ge=0)
+
+    def present(self, round_: int) -> bool:
+        """Whether the schedule has the peer train round `round_` (1-based)."""
+        if round_ <= self.join_at:
+            return False
+        if self.leave_at is not None and round_ > self.leave_at:
+            return self.rejoin_at is not None and round_ > self.rejoin_at
+        return True
+
+    @model_validator(mode="after")
+    def _order(self) -> ChurnConfig:
+        if self.rejoin_at is not None and (
+            self.leave_at is None or self.rejoin_at <= self.leave_at
+        ):
+            raise ValueError("churn.rejoin_at needs a leave_at before it (rejoin_at > leave_at)")
+        if self.leave_at is not None and self.leave_at <= self.join_at:
+            raise ValueError("churn.leave_at must come after join_at")
+        return self
+
+
+class RandomChurn(BaseModel):
+    """A generated churn schedule (`algorithm.churn.random`) for the peers without an entry of
+    their own: at every round about `absent_fraction` of all peers are away. Each of
+    round(absent_fraction * peers) "absence slots" is tiled from round 1 to the last by
+    absences of `min_absence`..`max_absence` rounds, each a different peer's: the first is a
+    late join, the middle ones leaves with a rejoin (a crash with probability
+    `crash_fraction`), the last a leave for good. Every peer is present at least half the run
+    (max_absence defaults to half of train.steps). `slow_fraction` of them are slow (`slow_s`,
+    default twice deadline_s). The schedule is a function of the seed and the config only
+    (`ftis.algos.swarm.schedule`; written to RUN_DIR/swarm-schedule.json)."""
+
+    model_config = ConfigDict(extra="forbid")
+    absent_fraction: float = Field(0.25, ge=0, lt=1)
+    seed: int = 0
+    min_absence: int = Field(2, ge=1)
+    max_absence: int | None = Field(None, ge=1)
+    crash_fraction: float = Field(0.5, ge=0, le=1)
+    slow_fraction: float = Field(0.0, ge=0, le=1)
+    slow_s: float | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> RandomChurn:
+        if self.max_absence is not None and self.max_absence < self.min_absence:
+            raise ValueError("churn.random.max_absence must be >= min_absence")
+        return self
 
 
 def resolve_churn(cfg) -> dict[str, ChurnConfig]:

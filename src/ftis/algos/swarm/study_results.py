@@ -15,7 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from ftis.models.real import model_label
+from ftis.models.sources import model_label
 from ftis.study.arms import ArmResult
 from ftis.study.pages import Page, arms_renderer, save, section
 from ftis.study.spec import Study
