@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -109,16 +111,23 @@ def test_resolved_config_round_trips(tmp_path):
 
 
 def test_config_import_skips_transformers_and_peft():
-    """Light tools (validation, studies, report) read configs; that must not pull in transformers."""
+    """Light tools (validation, studies, report) read configs; that must not pull in
+    transformers, and validating every shipped config must not import the trainer, the
+    launcher or the systems' algorithms (issue 54: config.py validates without the trainer)."""
     import subprocess
     import sys
 
     code = (
-        "import sys, ftis.config; "
+        "import sys, glob, ftis.config; "
         "heavy = [m for m in ('transformers', 'peft') if m in sys.modules]; "
-        "assert not heavy, f'import ftis.config imported {heavy}'"
+        "assert not heavy, f'import ftis.config imported {heavy}'; "
+        "[ftis.config.load_config(p) for p in sorted(glob.glob('configs/*.yaml'))]; "
+        "above = sorted(m for m in sys.modules if m.startswith(('ftis.train', 'ftis.launch')) "
+        "or m.endswith('.algorithm') or m in ('transformers', 'peft')); "
+        "assert not above, f'validating the configs imported {above}'"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
     assert proc.returncode == 0, proc.stderr
 
 

@@ -1,6 +1,6 @@
-"""The package's layers (ftis.layers, docs/design.md "Layers", issue 39 items 1 and 7): no
-module imports one above it, every module has a layer, and design.md's picture is the one the
-code draws."""
+"""The package's layers (ftis.layers, docs/design.md "Layers", issue 39 items 1 and 7, issue 54
+item 1): no module imports one above it, no modules import each other in a loop, every module
+has a layer, and design.md's picture is the one the code draws."""
 
 from __future__ import annotations
 
@@ -42,6 +42,30 @@ def test_the_checker_catches_an_upward_import(tmp_path, monkeypatch):
     assert layers.violations() == [("ftis.core.maths", "ftis.cli")]
     (pkg / "stray.py").write_text("")
     assert layers.unclaimed() == ["ftis.stray"]
+
+
+def test_no_import_circles():
+    """No modules import each other in a loop, not even through annotations."""
+    assert layers.circles() == [], "\n".join(" -> ".join(c) for c in layers.circles())
+
+
+def test_the_checker_catches_a_circle(tmp_path, monkeypatch):
+    """The check can fail: a loop of three modules, one of its arrows type-only and one inside
+    a function, is found; a module importing into the loop without being imported back is not
+    in it."""
+    pkg = tmp_path / "ftis"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from ftis import b\n")
+    (pkg / "b.py").write_text("def f():\n    from ftis.c import x\n    return x\n")
+    (pkg / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ftis.a import y\nx = 1\n"
+    )
+    (pkg / "d.py").write_text("from ftis import a\n")
+    monkeypatch.setattr(layers, "PACKAGE", pkg)
+    assert layers.circles() == [["ftis.a", "ftis.b", "ftis.c"]]
+    (pkg / "c.py").write_text("x = 1\n")
+    assert layers.circles() == []
 
 
 def test_design_md_opens_with_the_picture_the_code_draws():

@@ -106,15 +106,15 @@ def _type_checking(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def imports_of(path: Path) -> set[str]:
+def imports_of(path: Path, *, types: bool = False) -> set[str]:
     """The ftis modules `path` imports anywhere (a `from X import y` counts X and, where it is
-    a module, X.y), except under `if TYPE_CHECKING:`."""
+    a module, X.y), except under `if TYPE_CHECKING:` unless `types`."""
     me = module_name(path)
     is_pkg = path.name == "__init__.py"
     out: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if _type_checking(node):
+        if _type_checking(node) and not types:
             return
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
@@ -145,6 +145,44 @@ def violations() -> list[tuple[str, str]]:
             if mine is not None and theirs is not None and theirs < mine:
                 bad.append((me, dep))
     return bad
+
+
+def circles() -> list[list[str]]:
+    """Every import circle: the modules that import each other in a loop (each a strongly
+    connected component of more than one module, sorted). Type-only imports count: a circle
+    of annotations is still two modules that cannot be read, or moved, one without the other."""
+    graph = {module_name(p): sorted(imports_of(p, types=True)) for p in PACKAGE.rglob("*.py")}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:  # Tarjan's algorithm; the package is small enough to recurse
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return sorted(found)
 
 
 def unclaimed() -> list[str]:

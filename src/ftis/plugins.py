@@ -30,12 +30,9 @@ import importlib
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict
-
-if TYPE_CHECKING:
-    from ftis.train.context import Algorithm, NodeContext, ServiceContext
 
 # The modules that register ftis's own systems and tasks when imported, loaded by name like any
 # plugin: the registry never imports the layers above it.
@@ -68,8 +65,34 @@ class AlgorithmConfig(BaseModel):
         return []
 
 
-Factory = Callable[["NodeContext"], "Algorithm"]
-Serve = Callable[["ServiceContext"], None]
+class Algorithm(Protocol):
+    """What a registered factory builds for one node; the node shell (`ftis.train.loop`) drives
+    it, a step at a time."""
+
+    def step(self, step: int) -> dict[str, float]:
+        """Run step `step` (1-based) and return its metrics (namespaced: `loss/...`,
+        `reward/...`). May raise ExchangeAborted: the step is dropped and the node stops."""
+        ...
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Metrics of an evaluation after `step` (0 = before training); must include
+        `eval/accuracy`."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly after the last completed step, as plain data
+        (the node's weights, optimizer and RNGs are saved by the shell)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+# A factory takes the node's `ftis.train.context.NodeContext`, a service its `ServiceContext`:
+# the node layer's classes, above this registry, so named here and not imported.
+_NodeContext = Any
+_ServiceContext = Any
+Factory = Callable[[_NodeContext], Algorithm]
+Serve = Callable[[_ServiceContext], None]
 # launcher(cfg, run_dir, *, console, resume) -> MultiResult: runs the whole run itself (e.g.
 # through Flower's simulation engine) instead of ftis's own launcher.
 Launcher = Callable[..., Any]
@@ -100,11 +123,11 @@ class AlgorithmSpec:
     launcher: str | Launcher | None = None
     report: str | Callable[..., list[str]] | None = None
 
-    def build(self, ctx: NodeContext) -> Algorithm:
+    def build(self, ctx: _NodeContext) -> Algorithm:
         """The algorithm for the node that `ctx` describes."""
         return resolve(self.factory)(ctx)
 
-    def serve(self, ctx: ServiceContext) -> None:
+    def serve(self, ctx: _ServiceContext) -> None:
         """Run service rank `ctx.rank` (e.g. a server) to the end of the run."""
         if self.service is None:
             raise ValueError(

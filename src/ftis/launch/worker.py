@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 
-from ftis.algos import get_algorithm
 from ftis.algos.ftis.bridge import bridge_blocker
 from ftis.config import ConfigError, RunConfig, load_config
 from ftis.exchange.group import GroupMismatchError, check_group
@@ -38,6 +37,7 @@ from ftis.exchange.transport import TransportLost
 from ftis.launch.status import StatusFile
 from ftis.launch.stop import DISK_FULL
 from ftis.models.loading import ModelLoadError, load_tokenizer, tokenizer_fingerprint
+from ftis.plugins import get_algorithm
 from ftis.tasks import TaskDataError
 from ftis.train.checkpoint import CheckpointError, checkpoint_step
 from ftis.train.context import ServiceContext

@@ -1,4 +1,5 @@
-"""The algorithm protocol and what the node shell hands an algorithm.
+"""What the node shell hands an algorithm (the protocol an algorithm meets, `Algorithm`, is the
+registry's: `ftis.plugins`, re-exported here).
 
 The shell (`ftis.train.loop.train_node`) owns what every algorithm shares: building the node
 (model, tokenizer, optimizer, warm start), resume, the step loop with its evaluation cadence,
@@ -13,7 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
+
+from ftis.plugins import Algorithm
 
 if TYPE_CHECKING:
     from ftis.config import RunConfig
@@ -73,20 +76,4 @@ class ServiceContext:
     should_stop: Callable[[], bool]
 
 
-class Algorithm(Protocol):
-    def step(self, step: int) -> dict[str, float]:
-        """Run step `step` (1-based) and return its metrics (namespaced: `loss/...`,
-        `reward/...`). May raise ExchangeAborted: the step is dropped and the node stops."""
-        ...
-
-    def evaluate(self, step: int) -> dict[str, float]:
-        """Metrics of an evaluation after `step` (0 = before training); must include
-        `eval/accuracy`."""
-        ...
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly after the last completed step, as plain data
-        (the node's weights, optimizer and RNGs are saved by the shell)."""
-        ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+__all__ = ["Algorithm", "NodeContext", "ServiceContext"]

@@ -19,9 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ftis.algos import AlgorithmConfig
 from ftis.algos.federated.config import SERVER_NAME, SimulationConfig, check_federated_run
-from ftis.plugins import check_sampler_dtype_unused
+from ftis.plugins import AlgorithmConfig, check_sampler_dtype_unused
 
 DEFAULT_CORRUPTIONS = {"own": 1.0}
 PREFERENCE_FORMATS = ("ftis", "hh-rlhf", "shp")

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ftis.algos import check_one_shared_model
+from ftis.plugins import check_one_shared_model
 
 SERVER_NAME = "server"  # the server's rows (`node: server`) and checkpoints (nodes/server/)
 

@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ftis.algos import AlgorithmConfig
 from ftis.algos.federated.config import SERVER_NAME, SimulationConfig, check_federated_run
+from ftis.plugins import AlgorithmConfig
 
 __all__ = ["SERVER_NAME", "ClientSpec", "FGRPOConfig", "SimulationConfig"]
 

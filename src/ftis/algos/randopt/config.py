@@ -12,8 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from ftis.algos import AlgorithmConfig, check_one_shared_model
-from ftis.plugins import check_sampler_dtype_unused
+from ftis.plugins import AlgorithmConfig, check_one_shared_model, check_sampler_dtype_unused
 
 
 def _finite(name: str, values: list[float], *, positive: bool = False, lo: float | None = None):

@@ -8,8 +8,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from ftis.algos import AlgorithmConfig
 from ftis.algos.swarm.schedule import ChurnConfig, RandomChurn, resolve_churn
+from ftis.plugins import AlgorithmConfig
 
 # The swarm's shared secret (hex), in the environment of every peer process: `ftis run` draws one
 # per run (or passes on the one given) and hands it to its peers here, never on a command line.
