@@ -16,10 +16,10 @@ import torch
 import ftis.basemodels as basemodels
 import ftis.warmstart as warmstart_mod
 from ftis.basemodels import ShippedBaseError, find_shipped, sha256_file, shipped_bases, verify
-from ftis.basemodels.build import build, default_sources, referenced_warm_starts
 from ftis.models.loading import ModelConfig, build_model
 from ftis.models.saving import save_model
 from ftis.models.tokenizer import char_tokenizer
+from ftis.study.bases import build, default_sources, referenced_warm_starts
 from ftis.tasks import ArithmeticTaskConfig
 from ftis.warmstart import WarmStartConfig, base_key, cache_key, warm_start
 
@@ -132,7 +132,7 @@ def test_build_writes_entries_the_lookup_finds(tmp_path, monkeypatch):
     out = tmp_path / "out"
     uses = referenced_warm_starts([], embedded_default=False)
     assert uses == {}
-    from ftis.basemodels.build import WarmStartUse
+    from ftis.study.bases import WarmStartUse
 
     key = base_key(MODEL, WS, TASK)
     built = build({key: WarmStartUse(MODEL, WS, TASK, {"a.yaml"})}, out=out)

@@ -70,5 +70,5 @@ def test_the_checker_catches_a_circle(tmp_path, monkeypatch):
 
 def test_design_md_opens_with_the_picture_the_code_draws():
     design = (ROOT / "docs" / "design.md").read_text()
-    assert layers.diagram() in design, "regenerate it: ftis layers"
+    assert layers.diagram() in design, "redraw it: ftis layers --write docs/design.md"
     assert design.index(layers.diagram()) < design.index("## One shell, many algorithms")

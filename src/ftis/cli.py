@@ -658,9 +658,9 @@ def basemodels_build(
     entries trained here) and ship them: copy each into the package with its sha256."""
     _setup_logging(verbose)
     from ftis.basemodels import ROOT
-    from ftis.basemodels.build import build, default_sources, referenced_warm_starts
     from ftis.config import ConfigError
     from ftis.study import StudyError
+    from ftis.study.bases import build, default_sources, referenced_warm_starts
 
     repo = Path.cwd()
     sources = list(paths) if paths else default_sources(repo)
@@ -962,11 +962,23 @@ def eval_(
 
 
 @app.command()
-def layers() -> None:
+def layers(
+    write: Path | None = typer.Option(
+        None,
+        "--write",
+        metavar="FILE",
+        help="Replace FILE's first fenced block with the picture (docs/design.md's), instead of "
+        "printing it.",
+    ),
+) -> None:
     """Draw the package's layers and where each system lives (docs/design.md opens with it)."""
-    from ftis.layers import diagram
+    from ftis.layers import diagram, write_diagram
 
-    _stdout().out(diagram(), end="")
+    if write is None:
+        _stdout().out(diagram(), end="")
+        return
+    changed = write_diagram(write)
+    _stdout().print(f"{write}: {'redrawn' if changed else 'already the picture the code draws'}")
 
 
 @app.command()

@@ -31,7 +31,7 @@ LAYERS: tuple[Layer, ...] = (
     Layer(
         "entry points",
         "the command line, the Python API, the launcher's worker process, build tools",
-        ("ftis.__main__", "ftis.cli", "ftis.api", "ftis.launch.worker", "ftis.basemodels.build"),
+        ("ftis.__main__", "ftis.cli", "ftis.api", "ftis.launch.worker"),
     ),
     Layer(
         "systems",
@@ -230,6 +230,19 @@ def diagram() -> str:
             lines.append(" " * (width // 2 - 1) + "v")
     lines.append("```")
     return "\n".join(lines) + "\n"
+
+
+def write_diagram(path: Path) -> bool:
+    """Replace the first fenced block of `path` (docs/design.md's picture) with `diagram()`;
+    True when the file changed."""
+    text = path.read_text()
+    start = text.index("```\n")
+    end = text.index("```\n", start + 4) + 4
+    new = text[:start] + diagram() + text[end:]
+    if new == text:
+        return False
+    path.write_text(new)
+    return True
 
 
 def _wrap(text: str, width: int) -> list[str]:

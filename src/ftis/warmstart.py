@@ -158,6 +158,37 @@ def entry_name(model_cfg: ModelConfig, key: str) -> str:
     return f"{Path(model_label(model_cfg)).name}-{key}"
 
 
+def starting_model(
+    model_cfg: ModelConfig,
+    ws: WarmStartConfig | None,
+    task_cfg: BaseModel,
+    *,
+    base_dir: str | Path | None = None,
+    progress=None,
+) -> ModelConfig:
+    """The model config a node is built from: the one place that decides where its starting
+    weights come from.
+
+    - `base_dir` given: that directory (a shared base another process warm-started: the
+      federated launcher trains it once and hands it to every client and the server);
+    - `warm_start` set: the shipped base with its key (verified against the package's
+      manifest), else this machine's cache entry, else trained here on first use and cached
+      (`warm_start`);
+    - otherwise the model as configured: a preset's seeded random initialisation, `model.path`,
+      or a GGUF file / named real model, converted once into the cache when it is loaded
+      (`ftis.models.real.resolve_model_dir`).
+
+    A starting directory becomes the node's `model.path`; the node's LoRA adapters, dtypes and
+    device stay its own.
+    """
+    if base_dir is None and ws is not None:
+        base_dir = warm_start(model_cfg, ws, task_cfg, progress=progress)
+    if base_dir is None:
+        return model_cfg
+    update = {f: None for f in ("preset", "gguf", "name")}
+    return model_cfg.model_copy(update={**update, "path": str(base_dir)})
+
+
 def warm_start(
     model_cfg: ModelConfig,
     ws: WarmStartConfig,

@@ -14,7 +14,6 @@ from transformers import PreTrainedTokenizerBase
 
 from ftis.config import NodeConfig, OptimConfig
 from ftis.models.loading import (
-    ModelConfig,
     attach_lora,
     build_model,
     count_parameters,
@@ -22,7 +21,7 @@ from ftis.models.loading import (
 )
 from ftis.models.precision import SAMPLER_DTYPES, SamplerCopy
 from ftis.models.sources import model_label
-from ftis.warmstart import warm_start
+from ftis.warmstart import starting_model
 
 log = logging.getLogger(__name__)
 
@@ -83,17 +82,12 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
 
 
 def build_node(cfg: NodeConfig, *, rank: int, task_cfg: BaseModel, warm_progress=None) -> Node:
-    """Warm start (cached), load, attach LoRA, and make the optimizer."""
+    """Load the node's starting weights (`ftis.warmstart.starting_model`: shipped, cached or
+    warm-started here, or the model as configured), attach LoRA, and make the optimizer."""
     from ftis.train.allocator import keep_large_blocks
 
     keep_large_blocks()  # once per process: a real model's large buffers reused, not refaulted
-    model_cfg = cfg.model
-    if cfg.warm_start is not None:
-        path = warm_start(model_cfg, cfg.warm_start, task_cfg, progress=warm_progress)
-        # The warm-started weights become the node's base model; LoRA (if any) goes on top.
-        model_cfg = ModelConfig(
-            path=str(path), lora=cfg.model.lora, dtype=cfg.model.dtype, device=cfg.model.device
-        )
+    model_cfg = starting_model(cfg.model, cfg.warm_start, task_cfg, progress=warm_progress)
     tokenizer = load_tokenizer(model_cfg)
     model = build_model(model_cfg)
     if model_cfg.lora is not None:

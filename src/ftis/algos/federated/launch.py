@@ -71,9 +71,10 @@ def base_model(cfg: RunConfig, progress: Any = None) -> Path | None:
 def server_node(cfg: RunConfig, base_dir: Path | None) -> Node:
     """The global model: the clients' model config (on the CPU), named "server"."""
     node_cfg = cfg.nodes[0]
+    from ftis.warmstart import starting_model
+
     model = node_cfg.model.model_copy(update={"device": "cpu"})
-    if base_dir is not None:
-        model = model.model_copy(update={"path": str(base_dir), "preset": None})
+    model = starting_model(model, None, cfg.task, base_dir=base_dir)
     node_cfg = node_cfg.model_copy(update={"name": SERVER_NAME, "model": model, "warm_start": None})
     return build_node(node_cfg, rank=len(cfg.nodes), task_cfg=cfg.task)
 

@@ -52,6 +52,7 @@ from ftis.train.sampling import generate
 from ftis.train.seeds import eval_seed
 from ftis.train.timing import PhaseTimer
 from ftis.train.update import mean_step_metrics, train_on_round
+from ftis.warmstart import starting_model
 
 # Per-local-step figures that a round's row reports as totals rather than means.
 SUMMED = ("train/optimizer_steps", "train/skipped_update", "train/generated_tokens")
@@ -132,8 +133,8 @@ class LocalClient:
         self.rank = rank
         node_cfg: NodeConfig = cfg.nodes[rank]
         self.name = node_cfg.name
-        if base_dir is not None:
-            model = node_cfg.model.model_copy(update={"path": str(base_dir), "preset": None})
+        if base_dir is not None:  # the shared warm start, already made: build on it
+            model = starting_model(node_cfg.model, None, cfg.task, base_dir=base_dir)
             node_cfg = node_cfg.model_copy(update={"model": model, "warm_start": None})
         self.node: Node = build_node(node_cfg, rank=rank, task_cfg=cfg.task)
         spec = self.algo.client_spec(self.name)
