@@ -198,7 +198,7 @@ def test_overwrite_replaces_a_run_directory_ftis_created(tmp_path, monkeypatch):
         "run_local",
         lambda cfg, d, **kw: seen.append(sorted(p.name for p in d.iterdir())),
     )
-    monkeypatch.setattr("ftis.cli._finish", lambda d: None)
+    monkeypatch.setattr("ftis.cli.runs._finish", lambda d: None)
     out = tmp_path / "run"
     assert runner.invoke(app, ["run", _config(tmp_path), "--out", str(out)]).exit_code == 0
     assert (out / ".ftis-run").is_file()
@@ -217,7 +217,7 @@ def test_a_second_run_on_a_locked_directory_is_refused(tmp_path, monkeypatch):
     from ftis.config import RunConfig
 
     cfg = RunConfig.model_validate(tiny_run_config())
-    monkeypatch.setattr("ftis.cli._resumable_config", lambda d, o: cfg)
+    monkeypatch.setattr("ftis.cli.runs._resumable_config", lambda d, o: cfg)
     with rundir.locked(out):  # a run in progress (flock: per open file, so also in-process)
         for args in (["--resume", str(out)], [_config(tmp_path), "--out", str(out), "--overwrite"]):
             res = runner.invoke(app, ["run", *args])

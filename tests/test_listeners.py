@@ -191,7 +191,7 @@ def test_a_run_listens_on_loopback_only(tmp_path, mode):
     # Ray's servers (in its own processes and the driver's core worker) cannot be bound to
     # loopback: where the machine allows it they run in a network namespace of loopback only
     # (`ftis run` supervises the driver there); everywhere they require the run's token
-    from ftis.cli import _can_isolate
+    from ftis.cli.supervisor import _can_isolate
 
     for v in outside.values():
         assert "netns=lo-only" in v or not _can_isolate(), v

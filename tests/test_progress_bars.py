@@ -51,7 +51,7 @@ def test_single_node_bar_is_named_by_the_algorithm_and_follows_the_total():
 
 
 def test_tables_off_a_terminal_keep_long_names_on_one_line(capsys, monkeypatch):
-    from ftis.cli import _print_table
+    from ftis.cli.common import print_table as _print_table
 
     monkeypatch.delenv("COLUMNS", raising=False)
     names = [f"a-rather-long-node-name-number-{i}-with-its-model-llama-m" for i in range(3)]

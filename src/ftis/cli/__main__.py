@@ -1,0 +1,5 @@
+"""`python -m ftis.cli`: the `ftis` command."""
+
+from ftis.cli import main
+
+main()
