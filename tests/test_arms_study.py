@@ -1,4 +1,4 @@
-"""Arms studies (ftis.study.arms) and the population study's document (ftis.algos.randopt.study_results): spec
+"""Arms studies (ftis.study.arms) and the population study's document (ftis.results.population): spec
 checks, run expansion, numbers from hand-written run directories, and a tiny real sweep."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from ftis.algos.randopt.study_results import interpolate
 from ftis.cli import app
+from ftis.results.population import interpolate
 from ftis.study import StudyError, plan
 from ftis.study.arms import collect, is_arms_study, load_arms_study, write_arms_results
 from tests.conftest import tiny_run_config
@@ -512,7 +512,7 @@ def test_dpo_document_numbers(tmp_path):
 def test_swarm_document_numbers(tmp_path):
     """A 4-peer run written by hand: one joins after round 2, one leaves for good after round
     2; the summary compares the rows with that schedule."""
-    from ftis.algos.swarm.study_results import run_summary
+    from ftis.results.swarm import run_summary
 
     nodes = [{"name": f"p{i}", "model": {"preset": "llama-xs"}} for i in range(4)]
     cfg = {

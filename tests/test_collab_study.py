@@ -135,7 +135,7 @@ def test_a_method_keeps_its_colour_in_every_panel(tmp_path, monkeypatch):
     # have in pairing p (whose panel carries the legend), not restart at the first colour
     import matplotlib.pyplot as plt
 
-    from ftis.algos.ftis import collab
+    from ftis.results import collab
 
     class Outcomes:
         steps = np.array([0, 2])
@@ -173,7 +173,7 @@ def test_a_method_keeps_its_colour_in_every_panel(tmp_path, monkeypatch):
 def test_hacpo_series_averages_only_steps_every_seed_logged(tmp_path: Path) -> None:
     """A step that one seed did not log (its run stopped early, or the row lacks the key) is
     left out of the curve: a mean over a different set of seeds there would move the curve."""
-    from ftis.algos.ftis.collab import CollabData, NodeRun
+    from ftis.results.collab import CollabData, NodeRun
 
     runs = []
     for seed, values in {0: [1.0, 2.0, 3.0], 1: [3.0, 4.0]}.items():

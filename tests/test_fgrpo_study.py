@@ -20,9 +20,9 @@ from ftis.algos.fgrpo.study import (
     plan,
     union_task,
 )
-from ftis.algos.fgrpo.study_results import stability, write_fgrpo_results
 from ftis.cli import app
 from ftis.config import load_config
+from ftis.results.fgrpo import stability, write_fgrpo_results
 from ftis.study import StudyError
 from ftis.study.document import READING_BEGIN, READING_END
 from ftis.train.metrics import read_metrics

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ftis.algos.ftis.groups import check_same_nodes, check_skills
+from ftis.results.groups import check_same_nodes, check_skills
 from ftis.study.engine import load_study, write_results
 from ftis.train.metrics import encode_outcomes
 

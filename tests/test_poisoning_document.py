@@ -1,4 +1,4 @@
-"""The poisoning study's document (ftis.algos.ftis.poisoning) from hand-written run directories:
+"""The poisoning study's document (ftis.results.poisoning) from hand-written run directories:
 honest nodes only, screens' drop rates and trust, the DoS cost columns, and the per-arm option
 lookup (an arm's own baseline before its loss's; null for none)."""
 

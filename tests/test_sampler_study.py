@@ -1,4 +1,4 @@
-"""The bf16-sampler study's document (ftis.algos.ftis.sampler_study) from hand-written run
+"""The bf16-sampler study's document (ftis.results.sampler_dtype) from hand-written run
 directories: per-node accuracy and mismatch columns (means over RL steps, step 0 left out), the
 paired differences against each arm's baseline (bold only where the interval excludes zero),
 and arms without a baseline left out of the differences."""

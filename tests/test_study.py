@@ -12,8 +12,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from ftis.algos.ftis.study_results import collect, finals
 from ftis.cli import app
+from ftis.results.grid import collect, finals
 from ftis.study import StudyError, load_study, plan, run_study, write_results
 from ftis.study.document import READING_BEGIN, READING_END
 from tests.conftest import tiny_run_config

@@ -34,8 +34,13 @@ LAYERS: tuple[Layer, ...] = (
         ("ftis.__main__", "ftis.cli", "ftis.api", "ftis.launch.worker"),
     ),
     Layer(
+        "results",
+        "each study's results document and each system's section of a run's report",
+        ("ftis.results",),
+    ),
+    Layer(
         "systems",
-        "one folder per system: its config, algorithm, launcher, report and study document",
+        "one folder per system: its config, algorithm, launcher and study kind",
         ("ftis.algos",),
     ),
     Layer(

@@ -71,16 +71,16 @@ register_algorithm("ftis", FTISConfig, "ftis.algos.ftis.algorithm:FTISAlgorithm"
 # The F-TIS family's document of a grid study (docs/RESULTS.md, docs/results/reco.md).
 register_study_renderer(
     "ftis",
-    "ftis.algos.ftis.study_results:render",
-    collect="ftis.algos.ftis.study_results:collect",
+    "ftis.results.grid:render",
+    collect="ftis.results.grid:collect",
     kinds=("grid",),
 )
 # The collaboration study's document (studies/collab.yaml -> docs/results/collab.md): every
 # sharing method against training alone, with paired intervals over seeds and problems.
 register_study_renderer(
     "collab",
-    "ftis.algos.ftis.collab:render",
-    collect="ftis.algos.ftis.collab:collect",
+    "ftis.results.collab:render",
+    collect="ftis.results.collab:collect",
     kinds=("grid",),
 )
 
@@ -88,17 +88,17 @@ register_study_renderer(
 # of 2, 3 and 4 against each expert alone and against itself in a smaller group.
 register_study_renderer(
     "groups",
-    "ftis.algos.ftis.groups:render",
-    collect="ftis.algos.ftis.groups:collect",
+    "ftis.results.groups:render",
+    collect="ftis.results.groups:collect",
     kinds=("grid",),
 )
 
 # The poisoning study's document (studies/poisoning.yaml -> docs/results/poisoning.md): attack
 # success and the honest nodes' accuracy per loss and defence, with paired intervals.
-register_study_renderer("poisoning", "ftis.algos.ftis.poisoning:render", kinds=("arms",))
+register_study_renderer("poisoning", "ftis.results.poisoning:render", kinds=("arms",))
 # The bf16-sampler study's document (studies/bf16-sampler.yaml -> docs/results/bf16-learning.md):
 # learning with `train.sampler_dtype: bfloat16` against float32, corrected and uncorrected.
-register_study_renderer("sampler-dtype", "ftis.algos.ftis.sampler_study:render", kinds=("arms",))
+register_study_renderer("sampler-dtype", "ftis.results.sampler_dtype:render", kinds=("arms",))
 
 
 def _register_fgrpo() -> None:
@@ -110,11 +110,11 @@ def _register_fgrpo() -> None:
         FGRPOConfig,
         "ftis.algos.fgrpo.launch:not_a_node",
         launcher="ftis.algos.fgrpo.launch:run_federated",
-        report="ftis.algos.fgrpo.report:report_section",
+        report="ftis.results.sections.fgrpo:report_section",
     )
     # The FGRPO study (studies/fgrpo.yaml, `kind: fgrpo`): aggregation rules against centralized
     # GRPO and each client alone, derived from the federation; its document.
-    study, results = "ftis.algos.fgrpo.study", "ftis.algos.fgrpo.study_results"
+    study, results = "ftis.algos.fgrpo.study", "ftis.results.fgrpo"
     register_study_kind(
         "fgrpo",
         f"{study}:load_fgrpo_study",
@@ -154,10 +154,10 @@ def _register_dpo() -> None:
         report=_DPO_REPORT,
     )
     # The distributed-DPO study's document (studies/dpo.yaml, `results: dpo`).
-    register_study_renderer("dpo", "ftis.algos.dpo.study_results:render", kinds=("arms",))
+    register_study_renderer("dpo", "ftis.results.dpo:render", kinds=("arms",))
 
 
-_DPO_REPORT = "ftis.algos.dpo.report:report_section"
+_DPO_REPORT = "ftis.results.sections.dpo:report_section"
 _register_dpo()
 
 
@@ -166,13 +166,11 @@ def _register_population() -> None:
     from ftis.algos.randopt.config import CoRPConfig, RandOptConfig
 
     factory = "ftis.algos.randopt.algorithm:PopulationAlgorithm"
-    report = "ftis.algos.randopt.report:report_section"
+    report = "ftis.results.sections.randopt:report_section"
     register_algorithm("randopt", RandOptConfig, factory, report=report)
     register_algorithm("corp", CoRPConfig, factory, report=report)
     # The population study's document (studies/population.yaml, `results: population`).
-    register_study_renderer(
-        "population", "ftis.algos.randopt.study_results:render", kinds=("arms",)
-    )
+    register_study_renderer("population", "ftis.results.population:render", kinds=("arms",))
 
 
 _register_population()
@@ -187,10 +185,10 @@ def _register_swarm() -> None:
         SwarmConfig,
         "ftis.algos.swarm.algorithm:SwarmAlgorithm",
         launcher="ftis.algos.swarm.launch:run_swarm",
-        report="ftis.algos.swarm.report:report_section",
+        report="ftis.results.sections.swarm:report_section",
     )
     # The swarm study's document (studies/swarm.yaml, `results: swarm`).
-    register_study_renderer("swarm", "ftis.algos.swarm.study_results:render", kinds=("arms",))
+    register_study_renderer("swarm", "ftis.results.swarm:render", kinds=("arms",))
 
 
 _register_swarm()

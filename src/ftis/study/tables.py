@@ -1,6 +1,6 @@
 """The table layer of every results document: what a renderer's tables are made of, written once.
 
-A renderer (each system's `study_results.py`, collab, poisoning) decides its rows, columns and
+A renderer (each document's module in `ftis.results`) decides its rows, columns and
 which cells compare two arms; this module formats them:
 - numbers over seeds: `spread` ('m ± s', '-' for none), `fmt_pct` (fractions as percent);
 - paired differences: `Differences` counts every interval and applies the one bold rule through

@@ -2,7 +2,7 @@
 together in groups of 2, 3 and 4, each against itself training alone, and against itself in a
 smaller group.
 
-It reads the runs as the collaboration study does (`ftis.algos.ftis.collab`: every node of every
+It reads the runs as the collaboration study does (`ftis.results.collab`: every node of every
 run, paired differences by seed with Student-t intervals over seeds) and adds what
 groups ask:
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ftis.algos.ftis.collab import (
+from ftis.results.collab import (
     CollabData,
     CollabDoc,
     NodeRun,
@@ -36,7 +36,7 @@ from ftis.algos.ftis.collab import (
     collab_renderer,
     difference_cell,
 )
-from ftis.algos.ftis.collab import collect as collect
+from ftis.results.collab import collect as collect
 from ftis.study.stats import PairedDifference, paired_difference
 from ftis.study.tables import is_bold, table
 
