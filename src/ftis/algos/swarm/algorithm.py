@@ -134,15 +134,9 @@ class SwarmAlgorithm:
                     "algorithm.accept_truncated is false)"
                 )
             if why is not None:
-                log.warning(
-                    "peer %s round %d: dropped peer %d's %d samples: %s",
-                    self.inner.node.name,
-                    step,
-                    peer,
-                    b.num_sequences,
-                    why,
+                self._refuse(
+                    received, step, peer, f"dropped peer {peer}'s {b.num_sequences} samples", why
                 )
-                received[peer] = None
         self.totals["stale_samples_total"] += stale
         self.totals["truncated_samples_total"] += truncated
         return {
@@ -173,16 +167,16 @@ class SwarmAlgorithm:
                 continue
             why = sharing.check_peer_batch(b, quota, train_size=len(self.inner.train_split))
             if why is not None:
-                log.warning(
-                    "peer %s round %d: rejected peer %d's batch: %s",
-                    self.inner.node.name,
-                    step,
-                    peer,
-                    why,
-                )
-                received[peer] = None
+                self._refuse(received, step, peer, f"rejected peer {peer}'s batch", why)
                 rejected += 1
         return rejected
+
+    def _refuse(
+        self, received: list[RolloutBatch | None], step: int, peer: int, what: str, why: str
+    ) -> None:
+        """Leave peer `peer`'s batch of this round out of training, saying what and why."""
+        log.warning("peer %s round %d: %s: %s", self.inner.node.name, step, what, why)
+        received[peer] = None
 
     def _swarm_metrics(
         self, received: list[RolloutBatch | None], rejected: int
