@@ -246,6 +246,47 @@ def test_writes_from_outside_the_run_are_ignored_and_counted(store):
     assert got[0][1] is None and "exited with code 9" in ms[0].lost[1]
 
 
+@pytest.mark.chaos_case("F-TIS", "a local client reads the store")
+def test_a_local_client_without_the_secret_reads_nothing_in_clear(store):
+    """Issue 57 item 3: a client that reaches the store's port read another node's payload in
+    clear. Every value is now encrypted under the run's secret: the payload's bytes, a
+    heartbeat's and a handshake's appear nowhere in what the outsider reads, and a value copied
+    to another key (rank 0's payload of round 0 replayed as its round 1) does not open there."""
+    _, client = store
+    signer = Signer(bytes.fromhex(new_secret()))
+    ms = [Membership(client(), r, 2, timeout_s=30, signer=signer) for r in range(2)]
+    ts = [StoreTransport(m, first_steps=[0, 0]) for m in ms]
+    for t in ts:
+        t.ready()
+    secret_samples = b"the completion 2+2=4 and its log-probs " * 8
+    out = {}
+    threads = [
+        threading.Thread(
+            target=lambda r=r: out.__setitem__(
+                r, ts[r].exchange(0, secret_samples, max_bytes=2**20)
+            )
+        )
+        for r in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out[0][1] == out[1][0] == secret_samples  # the run itself reads them
+    outsider = client()
+    seen = {}
+    for key in ("x/0/0", "x/0/1", "hb/0", "hb/1", "ready/0", "hello/0"):
+        if outsider.check([key]):
+            seen[key] = outsider.get(key)
+    assert "x/0/0" in seen and "hb/0" in seen
+    for key, raw in seen.items():
+        assert b"2+2=4" not in raw and b"completion" not in raw, key
+        assert signer.open(key, raw) is not None  # sealed by the run, not garbage
+    assert Signer(b"k" * 32).open("x/0/0", seen["x/0/0"]) is None  # another secret: nothing
+    outsider.set("x/1/0", seen["x/0/0"])  # rank 0's round-0 payload moved to round 1
+    assert ms[1].get("x/1/0") is None and ms[1].forged == 1
+
+
 def test_a_payload_above_the_stores_value_limit_travels_in_chunks(store):
     """Issue 22: a payload above torch's 8 MiB value limit reset the sender's connection and
     was reported as a lost store host. It now travels in chunks, authenticated, and a reader

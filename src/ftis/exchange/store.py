@@ -18,11 +18,13 @@ Keys, under the prefix `ftis/` (plus torchrun's run id and restart count):
     x/<step>/<rank>    the node's payload of that step (deleted two steps later)
     left/<rank>        set when the node exits (by itself, or by the launcher when it dies)
 
-Every value a node or the launcher `set`s is authenticated: HMAC-SHA256 over key and value
-with the run's secret, which the launcher hands its children in the environment
-(`FTIS_STORE_SECRET`, never on the command line). A value whose tag does not verify (written
-by something outside the run) is ignored and counted (`forged`): it cannot mark a peer as left,
-stand in for a payload, a heartbeat or a handshake. Every record is a value that ftis `set`s and
+Every value a node or the launcher `set`s is encrypted and authenticated (AES-256-GCM, the
+store key as associated data) under the run's secret, which the launcher hands its children in
+the environment (`FTIS_STORE_SECRET`, never on the command line): a local client that reaches
+the store's port reads no sample, heartbeat or handshake in clear, and a value that does not
+decrypt (written by something outside the run, or moved from another key) is ignored and
+counted (`forged`): it cannot mark a peer as left, stand in for a payload, a heartbeat or a
+handshake. Every record is a value that ftis `set`s and
 `get`s: the store never parses one (torch's `add` would, and a stranger's `set('hb/1', 'abc')`
 made every later `add` fail on the server), so no record of the wrong type reaches torch.
 Without a secret (a hand-started torchrun group on one machine) values travel unsigned, with a
@@ -73,8 +75,8 @@ SECRET_ENV = "FTIS_STORE_SECRET"  # set by `ftis run` for its children: the run'
 # torch's TCPStore refuses (resets the connection on) a value above 8 MiB: payloads travel in
 # chunks well below it.
 CHUNK_BYTES = 4 * 2**20
-_SEALED = b"FTS1"
-_TAG = hashlib.sha256().digest_size
+_SEALED = b"FTS2"  # FTS1 was HMAC-SHA256 over values in clear
+_NONCE, _TAG = 12, 16  # AES-GCM's nonce and tag
 _PAYLOAD, _CHUNKED = b"P", b"C"
 _CHUNK_INDEX = struct.Struct("<II")  # chunks, total bytes
 _POLL_MIN_S, _POLL_MAX_S = 0.001, 0.02  # a peer's payload is noticed within 20 ms
@@ -90,11 +92,20 @@ def new_secret() -> str:
 
 
 class Signer:
-    """Seals store values with the run's secret (HMAC-SHA256 over key and value) and opens
-    them; without a secret values pass unchanged (an unauthenticated group)."""
+    """Seals store values with the run's secret and opens them: AES-256-GCM (the
+    `cryptography` package) under a key derived from the secret, a fresh nonce per value and
+    the store key as associated data, so a value is both unreadable and unforgeable without the
+    secret, and cannot be moved to another key. Without a secret values pass unchanged (an
+    unauthenticated group)."""
 
     def __init__(self, secret: bytes | None) -> None:
         self.secret = secret
+        self._aead = None
+        if secret is not None:
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+            key = hmac.new(secret, b"ftis store values, AES-256-GCM", hashlib.sha256).digest()
+            self._aead = AESGCM(key)
 
     @classmethod
     def from_env(cls) -> Signer:
@@ -102,9 +113,9 @@ class Signer:
         raw = os.environ.get(SECRET_ENV, "")
         if not raw:
             log.warning(
-                "%s is not set: store writes are not authenticated (anything that reaches the "
-                "store's port can forge them); `ftis run` sets it, a hand-started group should "
-                "give every node the same secret",
+                "%s is not set: store writes are neither authenticated nor private (anything "
+                "that reaches the store's port can read and forge them); `ftis run` sets it, a "
+                "hand-started group should give every node the same secret",
                 SECRET_ENV,
             )
             return cls(None)
@@ -113,25 +124,27 @@ class Signer:
         except ValueError:
             raise PeerGroupError(f"{SECRET_ENV} must be hex (as `ftis run` writes it)") from None
 
-    def _tag(self, key: str, value: bytes) -> bytes:
-        assert self.secret is not None
-        return hmac.new(self.secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
-
     def seal(self, key: str, value: bytes | str) -> bytes:
         value = value.encode() if isinstance(value, str) else value
-        if self.secret is None:
+        if self._aead is None:
             return value
-        return _SEALED + self._tag(key, value) + value
+        nonce = secrets.token_bytes(_NONCE)
+        return _SEALED + nonce + self._aead.encrypt(nonce, value, key.encode())
 
     def open(self, key: str, sealed: bytes) -> bytes | None:
-        """The value, or None when its tag does not verify (not written by the run)."""
-        if self.secret is None:
+        """The value, or None when it does not decrypt under this key (not written by the
+        run, or written under another key)."""
+        if self._aead is None:
             return sealed
-        head = len(_SEALED) + _TAG
-        if len(sealed) < head or not sealed.startswith(_SEALED):
+        from cryptography.exceptions import InvalidTag
+
+        head = len(_SEALED) + _NONCE
+        if len(sealed) < head + _TAG or not sealed.startswith(_SEALED):
             return None
-        tag, value = sealed[len(_SEALED) : head], sealed[head:]
-        return value if hmac.compare_digest(tag, self._tag(key, value)) else None
+        try:
+            return self._aead.decrypt(sealed[len(_SEALED) : head], sealed[head:], key.encode())
+        except InvalidTag:
+            return None
 
 
 def _prefix() -> str:
