@@ -365,6 +365,17 @@ class ExchangeConfig(_Strict):
             "the peer for that round only (exchange/missed_payloads)."
         ),
     )
+    store_budget_mb: int = Field(
+        1024,
+        ge=16,
+        description=(
+            "The most the exchange's store may grow, in MiB, in the process of `ftis run` that "
+            "hosts it (its resident memory above what it held when the nodes started). The "
+            "run's own payloads are deleted two steps after they are posted, so only writes "
+            "from outside the run pass it: the nodes then checkpoint and the run stops, saying "
+            "so, instead of filling the machine's memory."
+        ),
+    )
     on_store_lost: Literal["stop", "continue"] = Field(
         "stop",
         description=(

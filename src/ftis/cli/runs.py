@@ -96,7 +96,13 @@ def _run_in(cfg, run_dir: Path, *, resume: bool) -> None:
         fail(f"cannot write the run directory {run_dir}: {e.strerror or e}{hint}")
 
     from ftis.launch import run_local
-    from ftis.launch.multi import BackendLost, DiskFullError, LaunchError, NodesLostError
+    from ftis.launch.multi import (
+        BackendLost,
+        DiskFullError,
+        LaunchError,
+        NodesLostError,
+        StoreOverflow,
+    )
     from ftis.train.loop import NoTrainingSignal, SimulatedCrash
 
     try:
@@ -112,6 +118,8 @@ def _run_in(cfg, run_dir: Path, *, resume: bool) -> None:
         fail(f"{e}. {_resume_hint(cfg, run_dir)}", 1)
     except DiskFullError as e:  # a fault of the machine, not of the config: resumable
         fail(f"{e}. Free space under {run_dir}. {_resume_hint(cfg, run_dir)}", 1)
+    except StoreOverflow as e:  # an outsider filled the store: resumable
+        fail(str(e), 1)
     except (ModelLoadError, TaskDataError, ConfigError, CheckpointError, LaunchError) as e:
         fail(str(e))
     except NoTrainingSignal as e:

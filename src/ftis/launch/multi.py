@@ -12,7 +12,9 @@ reports their errors. On Linux a node also gets SIGTERM when the parent dies, ev
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -27,6 +29,8 @@ from ftis.exchange.store import HOSTED_ENV, SECRET_ENV, Signer, host_store, mark
 from ftis.launch.progress import progress_columns
 from ftis.launch.stop import DISK_FULL, INTERRUPTED, StopSignals, die_with_parent
 
+log = logging.getLogger(__name__)
+
 
 class LaunchError(RuntimeError):
     """No node finished; the message carries the nodes' own error messages."""
@@ -34,6 +38,43 @@ class LaunchError(RuntimeError):
 
 class DiskFullError(LaunchError):
     """Every node stopped because its disk filled up; the message says how to resume."""
+
+
+class StoreOverflow(LaunchError):
+    """The exchange's store grew past `exchange.store_budget_mb`: something outside the run
+    wrote to it. The nodes were stopped after their checkpoints; the message says how to go
+    on."""
+
+
+def resident_mib() -> float | None:
+    """This process's resident memory in MiB (Linux's /proc/self/statm), or None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@dataclass
+class StoreBudget:
+    """The store's bound: it lives in this process (torch's TCPStore server is a thread of the
+    launcher), so what it holds is this process's growth in resident memory since the nodes
+    started. `exceeded()` names the growth once it passes `budget_mib`."""
+
+    budget_mib: float
+    read: object = resident_mib  # () -> MiB or None; a test gives its own
+    baseline: float | None = None
+
+    def __post_init__(self) -> None:
+        self.baseline = self.read()  # type: ignore[operator]
+
+    def exceeded(self) -> float | None:
+        now = self.read()  # type: ignore[operator]
+        if now is None or self.baseline is None:
+            return None
+        grown = now - self.baseline
+        return grown if grown > self.budget_mib else None
 
 
 class BackendLost(RuntimeError):
@@ -59,6 +100,7 @@ class MultiResult:
 
     exit_codes: dict[str, int] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    store_overflow: float | None = None  # MiB the store grew past its budget, if it did
 
     @property
     def failed(self) -> list[str]:
@@ -120,6 +162,7 @@ def run_multi(
         base_env.pop(k, None)
     columns = progress_columns()
     result = MultiResult()
+    budget = StoreBudget(cfg.exchange.store_budget_mb)
     procs: list[subprocess.Popen] = []
     log_files = []
     stop = StopSignals()
@@ -144,7 +187,10 @@ def run_multi(
                         preexec_fn=preexec,
                     )
                 )
-            _watch(procs, names, cfg, store, result, progress, {}, run_dir, stop, signer=signer)
+            _watch(
+                procs, names, cfg, store, result, progress, {}, run_dir, stop,
+                signer=signer, budget=budget,
+            )  # fmt: skip
     finally:
         for p in procs:
             if p.poll() is None:
@@ -158,6 +204,16 @@ def run_multi(
         if err.exists():
             result.errors[name] = err.read_text().strip()
     finished = len(result.exit_codes) == world and set(result.exit_codes.values()) == {0}
+    if result.store_overflow is not None:
+        raise StoreOverflow(
+            f"the exchange's store grew by {result.store_overflow:.0f} MiB in this process, past "
+            f"exchange.store_budget_mb ({cfg.exchange.store_budget_mb}): something outside the "
+            "run is writing to it (the run's own payloads are deleted two steps after they are "
+            "posted). The nodes stopped after their checkpoints; find the writer (any local "
+            "process can reach the store's loopback port), then continue with: ftis run "
+            f"--resume {run_dir} (or raise exchange.store_budget_mb if the run's own payloads "
+            "are that large)"
+        )
     if result.interrupted or (stop.requested and not finished):
         raise KeyboardInterrupt  # the nodes were stopped by a signal, after their checkpoints
     if not any(c == 0 for c in result.exit_codes.values()):
@@ -177,11 +233,24 @@ def run_multi(
     return result
 
 
-def _watch(procs, names, cfg, store, result, progress, bars, run_dir, stop, *, signer) -> None:
+def _watch(
+    procs, names, cfg, store, result, progress, bars, run_dir, stop, *, signer, budget=None
+) -> None:
     """Until every node has exited: pass signals on, draw progress; mark a node that exited
     without finishing or leaving (130) as gone in the store, so that its peers stop waiting for
-    it at once."""
+    it at once; stop every node (SIGTERM: a checkpoint, then exit) once the store passes its
+    budget."""
     while len(result.exit_codes) < len(procs):
+        grown = budget.exceeded() if budget is not None else None
+        if grown is not None and result.store_overflow is None:
+            result.store_overflow = grown
+            log.error(
+                "the exchange's store grew by %.0f MiB, past exchange.store_budget_mb (%d): "
+                "stopping the nodes after their checkpoints",
+                grown,
+                cfg.exchange.store_budget_mb,
+            )
+            stop(signal.SIGTERM)
         stop.forward(procs)
         for rank, (p, name) in enumerate(zip(procs, names)):
             if name in result.exit_codes or p.poll() is None:
