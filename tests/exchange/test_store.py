@@ -246,6 +246,17 @@ def test_writes_from_outside_the_run_are_ignored_and_counted(store):
     assert got[0][1] is None and "exited with code 9" in ms[0].lost[1]
 
 
+def _ready_pair(client):
+    """Two ranks on the store with a fresh run secret, each ready: (signer, memberships,
+    transports)."""
+    signer = Signer(bytes.fromhex(new_secret()))
+    ms = [Membership(client(), r, 2, timeout_s=30, signer=signer) for r in range(2)]
+    ts = [StoreTransport(m, first_steps=[0, 0]) for m in ms]
+    for t in ts:
+        t.ready()
+    return signer, ms, ts
+
+
 @pytest.mark.chaos_case("F-TIS", "a local client reads the store")
 def test_a_local_client_without_the_secret_reads_nothing_in_clear(store):
     """Issue 57 item 3: a client that reaches the store's port read another node's payload in
@@ -253,11 +264,7 @@ def test_a_local_client_without_the_secret_reads_nothing_in_clear(store):
     heartbeat's and a handshake's appear nowhere in what the outsider reads, and a value copied
     to another key (rank 0's payload of round 0 replayed as its round 1) does not open there."""
     _, client = store
-    signer = Signer(bytes.fromhex(new_secret()))
-    ms = [Membership(client(), r, 2, timeout_s=30, signer=signer) for r in range(2)]
-    ts = [StoreTransport(m, first_steps=[0, 0]) for m in ms]
-    for t in ts:
-        t.ready()
+    signer, ms, ts = _ready_pair(client)
     secret_samples = b"the completion 2+2=4 and its log-probs " * 8
     out = {}
     threads = [
@@ -292,11 +299,7 @@ def test_a_payload_above_the_stores_value_limit_travels_in_chunks(store):
     was reported as a lost store host. It now travels in chunks, authenticated, and a reader
     does not read more chunks than its max_bytes allows."""
     _, client = store
-    signer = Signer(bytes.fromhex(new_secret()))
-    ms = [Membership(client(), r, 2, timeout_s=30, signer=signer) for r in range(2)]
-    ts = [StoreTransport(m, first_steps=[0, 0]) for m in ms]
-    for t in ts:
-        t.ready()
+    _, ms, ts = _ready_pair(client)
     big = bytes(range(256)) * (9 * 2**20 // 256) + b"tail"  # 9 MiB + 4 bytes
     out = {}
 

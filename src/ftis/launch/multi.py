@@ -187,10 +187,8 @@ def run_multi(
                         preexec_fn=preexec,
                     )
                 )
-            _watch(
-                procs, names, cfg, store, result, progress, {}, run_dir, stop,
-                signer=signer, budget=budget,
-            )  # fmt: skip
+            watch = {"signer": signer, "budget": budget}
+            _watch(procs, names, cfg, store, result, progress, {}, run_dir, stop, **watch)
     finally:
         for p in procs:
             if p.poll() is None:
