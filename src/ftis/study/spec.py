@@ -176,7 +176,7 @@ class StudySpec(StrictModel):
     results: str = Field(
         "ftis",
         description="The study renderer that writes the document (ftis.study.registry); "
-        "default: the F-TIS family's, registered by ftis.algos.ftis.",
+        "default: the F-TIS family's grid document (ftis.results.grid).",
     )
     primary: list[PrimaryComparison] = Field(
         default_factory=list,
