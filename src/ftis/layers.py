@@ -30,7 +30,7 @@ class Layer:
 LAYERS: tuple[Layer, ...] = (
     Layer(
         "entry points",
-        "the command line, the Python API, the launcher's worker process, build tools",
+        "the command line, the Python API, the launcher's worker process",
         ("ftis.__main__", "ftis.cli", "ftis.api", "ftis.launch.worker"),
     ),
     Layer(
