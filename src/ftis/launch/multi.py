@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,21 +57,18 @@ def resident_mib() -> float | None:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-@dataclass
 class StoreBudget:
     """The store's bound: it lives in this process (torch's TCPStore server is a thread of the
     launcher), so what it holds is this process's growth in resident memory since the nodes
-    started. `exceeded()` names the growth once it passes `budget_mib`."""
+    started. `exceeded()` names the growth once it passes `budget_mib`; `read` (MiB or None)
+    is `resident_mib` unless a test gives its own."""
 
-    budget_mib: float
-    read: object = resident_mib  # () -> MiB or None; a test gives its own
-    baseline: float | None = None
-
-    def __post_init__(self) -> None:
-        self.baseline = self.read()  # type: ignore[operator]
+    def __init__(self, budget_mib: float, read: Callable[[], float | None] = resident_mib) -> None:
+        self.budget_mib, self.read = budget_mib, read
+        self.baseline = read()
 
     def exceeded(self) -> float | None:
-        now = self.read()  # type: ignore[operator]
+        now = self.read()
         if now is None or self.baseline is None:
             return None
         grown = now - self.baseline

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import logging
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -345,7 +346,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = render(trials=args.trials, runs_dirs=args.runs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
-    print(f"wrote {args.out}")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger(__name__).info("wrote %s", args.out)
     return 0
 
 
