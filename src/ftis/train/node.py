@@ -7,12 +7,13 @@ import copy
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from pydantic import BaseModel
 from transformers import PreTrainedTokenizerBase
 
-from ftis.config import NodeConfig, OptimConfig
+from ftis.config import NodeConfig, OptimConfig, TrainConfig
 from ftis.models.loading import (
     attach_lora,
     build_model,
@@ -22,6 +23,9 @@ from ftis.models.loading import (
 from ftis.models.precision import SAMPLER_DTYPES, SamplerCopy
 from ftis.models.sources import model_label
 from ftis.warmstart import starting_model
+
+if TYPE_CHECKING:
+    from ftis.rollout.engine import VllmEngine
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +43,40 @@ class Node:
     ref_model: torch.nn.Module | None = None
     # train.sampler_dtype bfloat16: the low-precision copy the sampler runs on (made on first use)
     sampler_copy: SamplerCopy | None = None
+    # train.rollout_engine vllm: the node's vLLM engine (ftis.rollout.engine), made on first use
+    engine: VllmEngine | None = None
+
+    @property
+    def samples_elsewhere(self) -> bool:
+        """True when the rollouts come from weights other than the trainer's own (a bf16 copy or
+        a vLLM engine), so the update's ratios see a sampler/trainer mismatch."""
+        return self.sampler_copy is not None or self.engine is not None
+
+    def rollout_engine(self, train: TrainConfig) -> VllmEngine:
+        """The node's vLLM engine (train.rollout_engine vllm), started on first use from the
+        node's current weights."""
+        if self.engine is None:
+            from ftis.rollout.engine import EngineSettings, VllmEngine
+
+            v = train.vllm
+            self.engine = VllmEngine(
+                self.model,
+                self.tokenizer,
+                EngineSettings(
+                    dtype=v.dtype,
+                    kv_cache_gib=v.kv_cache_gib,
+                    gpu_memory_utilization=v.gpu_memory_utilization,
+                    max_model_len=v.max_model_len,
+                    seed=train.seed,
+                ),
+            )
+        return self.engine
+
+    def close(self) -> None:
+        """Release what the node holds outside its tensors (the vLLM engine)."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
 
     def sampling_model(self, dtype: str = "float32") -> torch.nn.Module:
         """The model a rollout samples from: the node's own, or (`train.sampler_dtype`

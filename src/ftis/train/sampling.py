@@ -11,7 +11,7 @@ import torch
 
 from ftis.config import TrainConfig
 from ftis.models.precision import model_compute_dtype
-from ftis.rollout.sampler import sample
+from ftis.rollout.sampler import Samples, sample
 from ftis.rollout.types import RolloutBatch
 from ftis.tasks.base import Problem, Task
 from ftis.train.node import Node
@@ -47,34 +47,37 @@ def generate(
     if not problems or num_samples == 0:
         return RolloutBatch.empty(tok.pad_token_id)
     prompts = [task.prompt_ids(p, tok) for p in problems]
-    # A joint group (sharing.scheme joint) has n x G slots; a prefix of a group's noise is the
-    # same whatever its length, so slot s gets the same uniforms under every scheme.
-    slots_total = max(cfg.group_size, first + num_samples)
-    noise = torch.cat(
-        [
-            group_noise(cfg.seed, step, p.index, slots_total, cfg.max_new_tokens)[
-                first : first + num_samples
+    if cfg.rollout_engine == "vllm":
+        out = _engine_sample(node, prompts, problems, first, num_samples, cfg, step)
+    else:
+        # A joint group (sharing.scheme joint) has n x G slots; a prefix of a group's noise is
+        # the same whatever its length, so slot s gets the same uniforms under every scheme.
+        slots_total = max(cfg.group_size, first + num_samples)
+        noise = torch.cat(
+            [
+                group_noise(cfg.seed, step, p.index, slots_total, cfg.max_new_tokens)[
+                    first : first + num_samples
+                ]
+                for p in problems
             ]
-            for p in problems
-        ]
-    )
-    model = node.sampling_model(cfg.sampler_dtype)
-    out = sample(
-        model,
-        prompts,
-        num_samples=num_samples,
-        max_new_tokens=cfg.max_new_tokens,
-        eos_id=tok.eos_token_id,
-        pad_id=tok.pad_token_id,
-        temperature=cfg.temperature,
-        top_k=cfg.top_k,
-        top_p=cfg.top_p,
-        noise=noise,
-        # a low-precision copy runs in its own dtype, not under the model's autocast
-        compute_dtype=None
-        if model is not node.model
-        else model_compute_dtype(node.cfg.model.compute_dtype),
-    )
+        )
+        model = node.sampling_model(cfg.sampler_dtype)
+        out = sample(
+            model,
+            prompts,
+            num_samples=num_samples,
+            max_new_tokens=cfg.max_new_tokens,
+            eos_id=tok.eos_token_id,
+            pad_id=tok.pad_token_id,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            noise=noise,
+            # a low-precision copy runs in its own dtype, not under the model's autocast
+            compute_dtype=None
+            if model is not node.model
+            else model_compute_dtype(node.cfg.model.compute_dtype),
+        )
     n = out.completion_ids.shape[0]
     index = torch.tensor([p.index for p in problems], dtype=torch.long)
     return RolloutBatch(
@@ -83,4 +86,36 @@ def generate(
         completion_ids=out.completion_ids.cpu(),
         lengths=out.lengths.cpu(),
         sampler_logprobs=out.logprobs.cpu(),
+    )
+
+
+def _engine_sample(
+    node: Node,
+    prompts: list[list[int]],
+    problems: Sequence[Problem],
+    first: int,
+    num_samples: int,
+    cfg: TrainConfig,
+    step: int,
+) -> Samples:
+    """The slots through the node's vLLM engine (train.rollout_engine vllm), after giving it
+    the node's current weights; one seed per completion slot (`completion_seed`)."""
+    from ftis.rollout.engine import completion_seed
+
+    engine = node.rollout_engine(cfg)
+    engine.push(node.model)
+    seeds = [
+        [completion_seed(cfg.seed, step, p.index, first + j) for j in range(num_samples)]
+        for p in problems
+    ]
+    tok = node.tokenizer
+    return engine.sample(
+        prompts,
+        seeds,
+        max_new_tokens=cfg.max_new_tokens,
+        eos_id=tok.eos_token_id,
+        pad_id=tok.pad_token_id,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
     )

@@ -140,9 +140,9 @@ def update(
     mask_all = batch.mask
     width_all = max(int(batch.lengths.max()), 1) if n else 1  # for the "padded" filter statistic
     kept_total = 0.0
-    # train.sampler_dtype bfloat16: the sampler/trainer mismatch on the node's own tokens, at
+    # train.sampler_dtype bfloat16 or a vLLM engine: the sampler/trainer mismatch on own tokens, at
     # the weights they were sampled with (the round's first update, before its step)
-    track_mismatch = node.sampler_copy is not None and update_index == 0
+    track_mismatch = node.samples_elsewhere and update_index == 0
     mismatch = [0.0, 0]  # sum of k3 over own tokens, their count
     lower = peer_clip_lower(update_index, loss_cfg.hacpo_clip_lower, loss_cfg.hacpo_clip_step)
     # model.compute_dtype bfloat16: under compute_mode autocast, forward passes under autocast
@@ -423,8 +423,8 @@ def own_ratio_reference(
 
     loss_cfg = node.cfg.loss
     if (
-        node.sampler_copy is None
-        or train.sampler_dtype == "float32"
+        not node.samples_elsewhere
+        or (node.engine is None and train.sampler_dtype == "float32")
         or loss_cfg.own_ratio_reference != "trainer"
         or resolve_method(loss_cfg.method)[0] not in ("gspo", "hacpo")
         or batch.num_sequences == 0
