@@ -163,14 +163,20 @@ def check_one_shared_model(run: Any, why: str) -> None:
 
 
 def check_sampler_dtype_unused(run: Any, kind: str, what: str) -> None:
-    """Raise ValueError when `run` sets train.sampler_dtype for an algorithm whose own loop
-    samples or scores without it (`what`: what that loop does), so the setting never
+    """Raise ValueError when `run` sets train.sampler_dtype or train.rollout_engine for an
+    algorithm whose own loop samples or scores without them (`what`: what that loop does), so the setting never
     silently does nothing."""
     if run.train.sampler_dtype != "float32":
         raise ValueError(
             f"train.sampler_dtype {run.train.sampler_dtype} applies to the GRPO-family rollouts "
             f"(algorithm.kind ftis, swarm, fgrpo); {kind} {what} on the trained weights; "
             "remove train.sampler_dtype"
+        )
+    if run.train.rollout_engine != "ftis":
+        raise ValueError(
+            f"train.rollout_engine {run.train.rollout_engine} serves the GRPO-family rollouts "
+            f"(algorithm.kind ftis, swarm, fgrpo); {kind} {what} with ftis's own sampler; "
+            "remove train.rollout_engine"
         )
 
 

@@ -17,6 +17,7 @@ too old. Nothing here imports it at module level.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
@@ -80,6 +81,25 @@ def require_vllm() -> Any:
             f"{version}: {INSTALL_HINT}"
         )
     return vllm
+
+
+@contextlib.contextmanager
+def _rng_kept() -> Iterator[None]:
+    """Restore Python's, NumPy's and torch's global generators after the block."""
+    import random
+
+    import numpy as np
+
+    saved = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.random.set_rng_state(saved[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def completion_seed(seed: int, step: int, prompt_index: int, slot: int) -> int:
@@ -178,16 +198,17 @@ class VllmEngine:
         t0 = time.perf_counter()
         try:
             write_engine_dir(model, tokenizer, self._dir, dtype)
-            self.llm = vllm.LLM(
-                model=str(self._dir),
-                tokenizer=str(self._dir),
-                dtype=settings.dtype,
-                seed=settings.seed,
-                logprobs_mode="processed_logprobs",
-                max_model_len=max_len,
-                gpu_memory_utilization=settings.gpu_memory_utilization,
-                enforce_eager=self.device.type == "cpu",
-            )
+            with _rng_kept():  # vLLM seeds the process's global generators at start-up
+                self.llm = vllm.LLM(
+                    model=str(self._dir),
+                    tokenizer=str(self._dir),
+                    dtype=settings.dtype,
+                    seed=settings.seed,
+                    logprobs_mode="processed_logprobs",
+                    max_model_len=max_len,
+                    gpu_memory_utilization=settings.gpu_memory_utilization,
+                    enforce_eager=self.device.type == "cpu",
+                )
         except EngineUnavailable:
             raise
         except Exception as e:
