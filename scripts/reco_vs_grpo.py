@@ -68,7 +68,9 @@ def main() -> None:
         for step in (0, max(evals["reco", s])):
             a, b = evals["reco", s][step], evals["grpo", s][step]
             print(f"{s} | {step} | " + " | ".join(f"{a[k]:.3f} / {b[k]:.3f}" for k in keys))
-    print(f"\nReCo - GRPO at the last evaluation, {len(args.seeds)} seeds, 95% Student-t interval over seeds:")
+    print(
+        f"\nReCo - GRPO at the last evaluation, {len(args.seeds)} seeds, 95% Student-t interval over seeds:"
+    )
     for k in keys:
         d = paired_difference(
             {s: figures["reco", s][k] for s in args.seeds},

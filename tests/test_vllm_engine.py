@@ -31,7 +31,9 @@ def _node(lora=None, seed: int = 0):
     from ftis.models.tokenizer import char_tokenizer
     from ftis.train.node import Node, build_optimizer
 
-    cfg = NodeConfig(name="n", model=ModelConfig(preset="llama-m", init_seed=seed), loss=LossConfig())
+    cfg = NodeConfig(
+        name="n", model=ModelConfig(preset="llama-m", init_seed=seed), loss=LossConfig()
+    )
     model = build_model(cfg.model)
     if lora is not None:
         from ftis.models.config import LoraConfig

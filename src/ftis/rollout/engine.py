@@ -90,13 +90,13 @@ def _rng_kept() -> Iterator[None]:
 
     import numpy as np
 
-    saved = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    saved = random.getstate(), np.random.get_state(), torch.random.get_rng_state()  # noqa: NPY002
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:
         yield
     finally:
         random.setstate(saved[0])
-        np.random.set_state(saved[1])
+        np.random.set_state(saved[1])  # noqa: NPY002
         torch.random.set_rng_state(saved[2])
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
@@ -256,9 +256,11 @@ class VllmEngine:
         temperature: float,
         top_k: int = 0,
         top_p: float = 1.0,
+        stop_at_eos: bool = True,
     ) -> Samples:
         """len(seeds[i]) completions of prompt i, one request per completion with its seed;
-        each prompt's completions contiguous, as `ftis.rollout.sampler.sample` lays them out."""
+        each prompt's completions contiguous, as `ftis.rollout.sampler.sample` lays them out.
+        stop_at_eos False: every completion runs to max_new_tokens (benchmarks)."""
         for p in prompts:
             if len(p) + max_new_tokens > self.max_model_len:
                 raise ValueError(
@@ -279,7 +281,8 @@ class VllmEngine:
                         max_tokens=max_new_tokens,
                         logprobs=0,
                         seed=int(s),
-                        stop_token_ids=[eos_id],
+                        stop_token_ids=[eos_id] if stop_at_eos else None,
+                        ignore_eos=not stop_at_eos,
                         detokenize=False,
                     )
                 )
@@ -299,7 +302,7 @@ class VllmEngine:
                 logprobs[i, : len(toks)] = torch.tensor(
                     [lp[t].logprob for lp, t in zip(c.logprobs, toks)], dtype=torch.float32
                 )
-            finished[i] = bool(toks) and toks[-1] == eos_id
+            finished[i] = stop_at_eos and bool(toks) and toks[-1] == eos_id
         prompt_ids = torch.zeros((n, 0), dtype=torch.long)
         return Samples(
             prompt_ids=prompt_ids,
