@@ -85,6 +85,25 @@ def _update(r: dict) -> list[tuple[str, str, str]]:
     ]
 
 
+def _vllm(r: dict) -> list[tuple[str, str, str]]:
+    out = []
+    for row in r["rows"]:
+        v = row["variants"]["vllm bf16"]
+        shape = f"{row['prompts']} x {row['samples']} x {row['new']}" + (
+            ", reasoning-gym prompts, EOS" if row["natural"] else ", to length"
+        )
+        out.append(
+            (
+                f"rollout time, ftis bf16 sampler / vLLM bf16 engine, SmolLM2-135M ({shape}; "
+                f"vLLM at {v['seconds'] / row['floor_s']:.1f}x its decode floor, push "
+                f"{v['push_seconds']:.2f} s)",
+                f"{row['speedup']:.2f}x",
+                ">= 2x" if row["shape"] != "small" else "-",
+            )
+        )
+    return out
+
+
 # (page stem, the command that writes it, rows from its .json)
 SEPARATE: tuple[tuple[str, str, Callable[[dict], list[tuple[str, str, str]]]], ...] = (
     ("bf16-sampler", "python -m bench.sampler_dtype", _bf16),
@@ -92,6 +111,7 @@ SEPARATE: tuple[tuple[str, str, Callable[[dict], list[tuple[str, str, str]]]], .
     ("sweep-jobs", "python -m bench.sweep_jobs", _jobs),
     ("wire-smollm2", "python -m bench.wire_real", _wire),
     ("update-profile", "python -m bench.update_profile", _update),
+    ("vllm-engine", ".venv-vllm/bin/python -m bench.vllm_engine", _vllm),
 )
 
 

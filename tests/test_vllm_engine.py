@@ -132,6 +132,7 @@ def test_the_engine_samples_with_the_trainers_log_probs_and_new_weights_reach_it
     batch = generate(node, TASK, problems, slots=(0, 4), cfg=cfg, step=1)
     assert batch.completion_ids.shape[0] == 16
     assert node.engine is not None and node.samples_elsewhere
+    assert not node.engine._dir.exists()  # the start-up directory is gone once it started
     # f32 engine: its processed log-probs are the trainer's own, token for token
     assert _gap(node, batch) < 1e-4
     # padding is 0, lengths count a final EOS, as ftis's own sampler records them
@@ -277,3 +278,10 @@ def test_the_gpu_check_runs_its_whole_path_on_the_cpu(tmp_path):
     assert r["steps"] == 2 and r["tokens_per_s_after_first"] > 0
     assert "--set" not in " ".join(mod.overrides(False, 3))  # GPU settings are plain fields
     assert "nodes.0.model.device=cuda" in mod.overrides(False, 3)
+
+
+def test_the_bf16_copy_and_the_engine_are_not_asked_for_together():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="train.vllm.dtype"):
+        TrainConfig(rollout_engine="vllm", sampler_dtype="bfloat16")

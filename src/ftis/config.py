@@ -340,6 +340,16 @@ class TrainConfig(_Strict):
         "single completion or equal rewards); 0 = never stop.",
     )
 
+    @model_validator(mode="after")
+    def _one_sampler(self) -> TrainConfig:
+        if self.rollout_engine == "vllm" and self.sampler_dtype != "float32":
+            raise ValueError(
+                f"train.sampler_dtype {self.sampler_dtype} picks the weights of ftis's own "
+                "sampler, which train.rollout_engine vllm replaces: set the engine's dtype with "
+                "train.vllm.dtype and remove train.sampler_dtype"
+            )
+        return self
+
 
 class EvalConfig(_Strict):
     every: int = Field(

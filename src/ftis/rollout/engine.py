@@ -222,16 +222,17 @@ class VllmEngine:
                     enforce_eager=self.device.type == "cpu",
                     **_cpu_scheduling(self.device, max_len),
                 )
-        except EngineUnavailable:
-            raise
         except Exception as e:
-            shutil.rmtree(self._dir, ignore_errors=True)
             raise EngineUnavailable(
                 f"the vLLM engine did not start for this model ({type(e).__name__}: {e}); on "
                 "CPU vLLM needs a head size that is a multiple of 32 (32..512) and "
                 "VLLM_CPU_KVCACHE_SPACE GiB free (train.vllm.kv_cache_gib); or set "
                 "train.rollout_engine: ftis"
             ) from e
+        finally:
+            # The engine holds what it read (weights, tokenizer, configs) in memory and later
+            # weights come through `push`: the directory is not needed past start-up.
+            shutil.rmtree(self._dir, ignore_errors=True)
         self.vllm = vllm
         self.max_model_len = max_len
         self.start_seconds = time.perf_counter() - t0
@@ -327,11 +328,10 @@ class VllmEngine:
         )
 
     def close(self) -> None:
-        """Stop the engine core and remove its start-up directory."""
+        """Stop the engine core."""
         llm = getattr(self, "llm", None)
         if llm is not None:
             core = getattr(llm.llm_engine, "engine_core", None)
             if core is not None and hasattr(core, "shutdown"):
                 core.shutdown()
             self.llm = None
-        shutil.rmtree(self._dir, ignore_errors=True)
