@@ -101,6 +101,7 @@ def measure(shapes: list[str]) -> dict:
     from ftis.rollout.engine import EngineSettings, VllmEngine, completion_seed
     from ftis.rollout.sampler import sample
 
+    commit = code_version()  # at the start: the code this run imported
     cfg = ModelConfig(name=MODEL)
     tok = load_tokenizer(cfg)
     model = build_model(cfg).eval()
@@ -197,7 +198,7 @@ def measure(shapes: list[str]) -> dict:
     import vllm
 
     return {
-        "commit": code_version(),
+        "commit": commit,
         "torch": torch.__version__,
         "vllm": vllm.__version__,
         "cpu": cpu_model(),

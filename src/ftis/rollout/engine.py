@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ftis.models.logprobs import base_model
 from ftis.rollout.sampler import Samples
 
 log = logging.getLogger(__name__)
@@ -122,20 +123,16 @@ def completion_seed(seed: int, step: int, prompt_index: int, slot: int) -> int:
     return int.from_bytes(key.digest(), "little") & ((1 << 63) - 1)
 
 
-def _is_peft(model: torch.nn.Module) -> bool:
-    return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
-
-
 def engine_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's weights under their Hugging Face checkpoint names, as vLLM loads them: a plain
     model's state dict, or a LoRA model's base weights with each active adapter's delta
     (B A scaling, peft's own `get_delta_weight`) added, adapters themselves left out."""
-    if not _is_peft(model):
+    base = base_model(model)
+    if base is model:
         yield from model.state_dict().items()
         return
     from peft.tuners.lora import LoraLayer
 
-    base = model.get_base_model()
     deltas: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, module in base.named_modules():
@@ -154,10 +151,6 @@ def engine_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
             yield key, tensor
 
 
-def _base_config(model: torch.nn.Module):
-    return (model.get_base_model() if _is_peft(model) else model).config
-
-
 def write_engine_dir(model: torch.nn.Module, tokenizer, path: Path, dtype: torch.dtype) -> None:
     """A Hugging Face directory vLLM can start from: the model's (merged) weights in `dtype`,
     its config without a quantization_config (a de-quantized GGUF model's would make vLLM look
@@ -165,7 +158,7 @@ def write_engine_dir(model: torch.nn.Module, tokenizer, path: Path, dtype: torch
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    config = _base_config(model)
+    config = base_model(model).config
     spec = config.to_dict()
     spec.pop("quantization_config", None)
     spec["dtype"] = str(dtype).removeprefix("torch.")
@@ -200,7 +193,7 @@ class VllmEngine:
         self.settings = settings
         self.device = next(model.parameters()).device
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[settings.dtype]
-        config = _base_config(model)
+        config = base_model(model).config
         max_len = settings.max_model_len or min(
             int(getattr(config, "max_position_embeddings", 4096) or 4096), 4096
         )

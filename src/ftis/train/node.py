@@ -58,18 +58,8 @@ class Node:
         if self.engine is None:
             from ftis.rollout.engine import EngineSettings, VllmEngine
 
-            v = train.vllm
-            self.engine = VllmEngine(
-                self.model,
-                self.tokenizer,
-                EngineSettings(
-                    dtype=v.dtype,
-                    kv_cache_gib=v.kv_cache_gib,
-                    gpu_memory_utilization=v.gpu_memory_utilization,
-                    max_model_len=v.max_model_len,
-                    seed=train.seed,
-                ),
-            )
+            settings = EngineSettings(**train.vllm.model_dump(), seed=train.seed)
+            self.engine = VllmEngine(self.model, self.tokenizer, settings)
         return self.engine
 
     def close(self) -> None:

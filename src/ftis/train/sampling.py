@@ -47,8 +47,17 @@ def generate(
     if not problems or num_samples == 0:
         return RolloutBatch.empty(tok.pad_token_id)
     prompts = [task.prompt_ids(p, tok) for p in problems]
+    # what both samplers are told alike
+    draw = dict(
+        max_new_tokens=cfg.max_new_tokens,
+        eos_id=tok.eos_token_id,
+        pad_id=tok.pad_token_id,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+    )
     if cfg.rollout_engine == "vllm":
-        out = _engine_sample(node, prompts, problems, first, num_samples, cfg, step)
+        out = _engine_sample(node, prompts, problems, first, num_samples, cfg, step, draw)
     else:
         # A joint group (sharing.scheme joint) has n x G slots; a prefix of a group's noise is
         # the same whatever its length, so slot s gets the same uniforms under every scheme.
@@ -66,17 +75,12 @@ def generate(
             model,
             prompts,
             num_samples=num_samples,
-            max_new_tokens=cfg.max_new_tokens,
-            eos_id=tok.eos_token_id,
-            pad_id=tok.pad_token_id,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k,
-            top_p=cfg.top_p,
             noise=noise,
             # a low-precision copy runs in its own dtype, not under the model's autocast
             compute_dtype=None
             if model is not node.model
             else model_compute_dtype(node.cfg.model.compute_dtype),
+            **draw,
         )
     n = out.completion_ids.shape[0]
     index = torch.tensor([p.index for p in problems], dtype=torch.long)
@@ -97,6 +101,7 @@ def _engine_sample(
     num_samples: int,
     cfg: TrainConfig,
     step: int,
+    draw: dict,
 ) -> Samples:
     """The slots through the node's vLLM engine (train.rollout_engine vllm), after giving it
     the node's current weights; one seed per completion slot (`completion_seed`)."""
@@ -108,14 +113,4 @@ def _engine_sample(
         [completion_seed(cfg.seed, step, p.index, first + j) for j in range(num_samples)]
         for p in problems
     ]
-    tok = node.tokenizer
-    return engine.sample(
-        prompts,
-        seeds,
-        max_new_tokens=cfg.max_new_tokens,
-        eos_id=tok.eos_token_id,
-        pad_id=tok.pad_token_id,
-        temperature=cfg.temperature,
-        top_k=cfg.top_k,
-        top_p=cfg.top_p,
-    )
+    return engine.sample(prompts, seeds, **draw)
