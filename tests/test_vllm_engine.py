@@ -9,6 +9,7 @@ in-process and handed to the engine through memory.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -147,6 +148,24 @@ def test_the_engine_samples_with_the_trainers_log_probs_and_new_weights_reach_it
     after = generate(node, TASK, problems, slots=(0, 4), cfg=cfg, step=1)
     assert _gap(node, after) < 1e-4
     assert node.engine.pushes == 2
+
+
+@needs_vllm
+def test_the_engine_listens_on_nothing_beyond_loopback(engine_node):
+    """The engine runs in this process: no socket of this process listens on another
+    interface once it has started and sampled (vLLM's world of one uses a file store)."""
+    import ipaddress
+
+    from tests.test_listeners import _inodes, listening
+
+    engine_node.rollout_engine(_train())
+    mine = _inodes(os.getpid())
+    outside = {
+        addr
+        for inode, addr in listening().items()
+        if inode in mine and not ipaddress.ip_address(addr[0]).is_loopback
+    }
+    assert outside == set()
 
 
 @needs_vllm

@@ -48,14 +48,17 @@ INSTALL_HINT = (
 MIN_VLLM = (0, 11)
 
 # Set before vLLM is imported, unless the user set them: the engine core in this process (so
-# weights go in through memory), no usage statistics sent anywhere, and vLLM's CPU backend not
-# pinning threads to cores (the node's own OMP_NUM_THREADS and affinity stay in charge).
+# weights go in through memory), no usage statistics sent anywhere, vLLM's CPU backend not
+# pinning threads to cores (the node's own OMP_NUM_THREADS and affinity stay in charge), and
+# loopback as vLLM's own address.
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_DO_NOT_TRACK": "1",
     "DO_NOT_TRACK": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    # where vLLM would open a TCP store (a world of one uses a file store), it binds loopback
+    "VLLM_HOST_IP": "127.0.0.1",
 }
 
 
