@@ -223,6 +223,41 @@ def test_the_start_barrier_stops_waiting_for_a_peer_announced_gone():
     assert 0.2 < time.perf_counter() - t0 < 5.0 and a.barrier_missing == []
 
 
+def test_a_peer_started_ahead_of_its_join_round_waits_silent_until_the_swarm_is_there():
+    """A late joiner is started early (a process's start-up takes several rounds of a small
+    model) and waits, without a heartbeat, until the swarm finished its join round."""
+    board = MemoryBoard()
+    a = _transport(board, 0)
+    a.ready()
+    a.exchange(1, b"a", max_bytes=10)
+    late = _transport(board, 1, join_round=3, start_timeout_s=60.0)
+    got = {}
+    waiter = threading.Thread(target=lambda: got.__setitem__("step", late.join_step(0)))
+    waiter.start()
+    time.sleep(0.4)
+    assert waiter.is_alive()  # the swarm is in round 1: still waiting
+    assert a.members() == {}  # silent: nobody waits for it
+    a.exchange(2, b"a", max_bytes=10)
+    a.exchange(3, b"a", max_bytes=10)
+    assert waiter.is_alive()  # round 3 under way: not yet
+    a._heartbeat("live", 4)  # a finished round 3 and is in round 4
+    waiter.join(30)
+    assert got == {"step": 3}  # it trains from round 4, as the schedule says
+    assert late.join_waited_s >= 0.4
+
+
+def test_a_join_wait_ends_when_everyone_left_or_nobody_came():
+    board = MemoryBoard()
+    a = _transport(board, 0)
+    a.ready()
+    a.close()  # the swarm finished before the joiner's round
+    late = _transport(board, 1, join_round=5, start_timeout_s=60.0)
+    t0 = time.perf_counter()
+    assert late.join_step(0) == 0 and time.perf_counter() - t0 < 5.0
+    lonely = _transport(MemoryBoard(), 1, join_round=5, start_timeout_s=0.3)
+    assert lonely.join_step(0) == 0 and 0.25 < lonely.join_waited_s < 5.0
+
+
 def test_resumed_initial_peers_start_together_at_the_newest_checkpoint():
     board = MemoryBoard()
     a = _transport(board, 0, start_peers=frozenset({0, 1}))

@@ -232,6 +232,10 @@ class SwarmSettings:
         each of them has announced itself. Empty: no barrier (this peer joins late).
     start_timeout_s: the longest the start barrier waits; after it the peer starts with whoever
         came, and a peer slower than that joins late.
+    join_round: a late joiner or a rejoin started ahead of its time (so that its start-up is
+        done when the swarm gets there): `join_step` first waits, silent (no heartbeat, so
+        nobody waits for it), until a live member claims round `join_round + 1`, every peer it
+        heard of has left, or `start_timeout_s` passed without a live member. 0: no wait.
     publish_delay_s: a slow peer: it publishes each round's payload this long after it entered
         the round's exchange (slow hardware, simulated); beyond the others' deadline, they
         count its payloads as late when they land.
@@ -259,6 +263,7 @@ class SwarmSettings:
     poll_s: float = 0.1
     start_peers: frozenset[int] = frozenset()
     start_timeout_s: float = 300.0
+    join_round: int = 0
     publish_delay_s: float = 0.0
     late_window: int = 4
     max_round: int | None = None
@@ -324,6 +329,7 @@ class SwarmTransport:
         self._closed = False
         self.barrier_waited_s: float | None = None  # how long the start barrier took (None: none)
         self.barrier_missing: list[int] = []  # initial peers the barrier gave up on
+        self.join_waited_s: float | None = None  # how long it waited for its join round
         self.rejected_records = 0  # heartbeats refused so far (see `members`)
         self.forged_records = 0  # payload records whose signature did not verify, so far
         self.dropped_silent = 0  # peers dropped for `silent_rounds` rounds without a payload
@@ -481,6 +487,8 @@ class SwarmTransport:
         trusted = {}
         if self.settings.start_peers:
             self._start_barrier(done)
+        elif self.settings.join_round > done:
+            self._await_round(self.settings.join_round)
         claims = self.members()
         if self.settings.start_peers:
             trusted = {p: r for p, r in claims.items() if p in self.settings.start_peers}
@@ -533,6 +541,35 @@ class SwarmTransport:
             self.clock.sleep(s.poll_s)
         self.barrier_missing = sorted(missing)
         self.barrier_waited_s = self.clock.monotonic() - t0
+
+    def _await_round(self, round_: int) -> None:
+        """Wait, silent, until a live member claims round `round_ + 1` (the swarm finished
+        `round_`, where this peer's schedule has it join), every peer heard of has left,
+        `start_timeout_s` passed without a live member, or a stop."""
+        s = self.settings
+        t0 = last_live = self.clock.monotonic()
+        log.info("peer %d: waiting for the swarm to reach round %d", self.rank, round_ + 1)
+        while not self.should_stop():
+            beats = self._heartbeats()
+            live = [r for state, r in beats.values() if state == LIVE]
+            now = self.clock.monotonic()
+            if live:
+                last_live = now
+                if max(live) > round_:
+                    break
+            elif beats:  # everyone it heard of has left: nobody to wait for
+                log.warning("peer %d: every peer left before round %d", self.rank, round_ + 1)
+                break
+            if now - last_live >= s.start_timeout_s:
+                log.warning(
+                    "peer %d: no live peer for %.0f s; joining without waiting for round %d",
+                    self.rank,
+                    s.start_timeout_s,
+                    round_ + 1,
+                )
+                break
+            self.clock.sleep(s.poll_s)
+        self.join_waited_s = self.clock.monotonic() - t0
 
     def ready(self) -> None:
         self._heartbeat(LIVE, self._next)

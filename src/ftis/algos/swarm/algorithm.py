@@ -59,6 +59,7 @@ class SwarmAlgorithm:
         self.codec = SwarmCodec.wrapping(self.inner.exchange.codec)
         self.inner.exchange.codec = self.codec
         self._barrier_reported = False
+        self._join_reported = False
         # every peer samples whole groups of the same prompts: its own noise, not the run's
         tc = ctx.cfg.train
         self._sampling = tc.model_copy(update={"seed": swarm_sample_seed(tc.seed, ctx.rank)})
@@ -228,4 +229,8 @@ class SwarmAlgorithm:
                 self._barrier_reported = True
                 out["swarm/start_wait_s"] = transport.barrier_waited_s
                 out["swarm/start_missing"] = float(len(transport.barrier_missing))
+            if transport.join_waited_s is not None and not self._join_reported:
+                # a peer started ahead of its join round: how long it waited for the swarm
+                self._join_reported = True
+                out["swarm/join_wait_s"] = transport.join_waited_s
         return out

@@ -5,18 +5,19 @@
 
     bootstrap   a DHT node in this process on 127.0.0.1 (unless `algorithm.initial_peers` names
                 a running swarm); its multiaddrs go to RUN_DIR/swarm-peers.txt
-    peers       one process per node (`python -m ftis.algos.swarm.peer`); the initial peers (no
-                `join_at`) at once, meeting at a start barrier before round 1 (so a peer slow
-                to start is waited for, not taken for a late joiner); the others when the swarm
-                reaches their `join_at`; stopped at `leave_at` (or killed: `crash`); restarted
-                with --resume at `rejoin_at`
+    peers       one process per node (`python -m ftis.algos.swarm.peer`), all at once: the
+                initial peers (no `join_at`) meet at a start barrier before round 1 (so a peer
+                slow to start is waited for, not taken for a late joiner); a late joiner waits,
+                silent, until the swarm finished its `join_at` round; a peer is stopped at
+                `leave_at` (or killed: `crash`) and restarted with --resume at once, to wait
+                likewise for its `rejoin_at` (a process's start-up takes seconds, several
+                rounds of a small model: started when the swarm got there, it came too late)
     rows        the standard run directory: metrics.jsonl (step = the swarm's round), nodes/
     secret      the swarm's shared secret (signs every record; docs/swarm.md): the configured
                 one (algorithm.secret_file or FTIS_SWARM_SECRET), else one drawn for this run,
                 handed to the peers in their environment (FTIS_SWARM_SECRET)
 
-The swarm's round is the newest step any peer reported (RUN_DIR/.status/<node>.json). A peer
-that left or crashed as the schedule said counts as finished; one that failed otherwise fails
+Each peer's progress is its last step report (RUN_DIR/.status/<node>.json). A peer that left or crashed as the schedule said counts as finished; one that failed otherwise fails
 the run (NodesLostError) after the others finished.
 """
 
@@ -67,6 +68,7 @@ def peer_command(
     resume: bool,
     leave_at: int | None,
     start_barrier: bool = False,
+    join_round: int = 0,
 ) -> list[str]:
     cmd = [
         sys.executable,
@@ -86,6 +88,8 @@ def peer_command(
         cmd += ["--leave-at", str(leave_at)]
     if start_barrier:
         cmd.append("--start-barrier")
+    if join_round:
+        cmd += ["--join-round", str(join_round)]
     return cmd
 
 
@@ -157,8 +161,11 @@ def run_swarm(
                 initial,
                 resume=resume or rejoin,
                 leave_at=leave,
-                # the initial peers meet at the start barrier; late joiners and rejoins do not
+                # the initial peers meet at the start barrier; late joiners and rejoins start
+                # now and wait, silent, until the swarm finished their round: a process's
+                # start-up (imports, DHT, model) takes seconds, several rounds of a small model
                 start_barrier=not rejoin and p.churn.join_at == 0,
+                join_round=(p.churn.rejoin_at or 0) if rejoin else p.churn.join_at,
             ),
             stdout=f,
             stderr=subprocess.STDOUT,
@@ -168,9 +175,6 @@ def run_swarm(
         )
         p.phase, p.rejoined = "running", rejoin
         log.info("swarm: %s %s", p.name, "rejoins" if rejoin else "joins")
-
-    def idle() -> bool:  # every started peer is gone: start the rest now rather than never
-        return any(q.proc for q in peers) and not any(q.phase == "running" for q in peers)
 
     result = MultiResult()
     columns = progress_columns()
@@ -185,7 +189,6 @@ def run_swarm(
                 }
                 while any(p.phase != "done" for p in peers):
                     states = {p.name: _status(run_dir, p.name) for p in peers}
-                    swarm_round = max((s.get("step", 0) for s in states.values()), default=0)
                     for p in peers:
                         s = states[p.name]
                         if s:
@@ -200,13 +203,9 @@ def run_swarm(
                         if stopping:
                             if p.phase == "waiting" or p.phase == "away":
                                 p.phase, p.code = "done", INTERRUPTED
-                        elif p.phase == "waiting" and (swarm_round >= p.churn.join_at or idle()):
+                        elif p.phase == "waiting":
                             start(p, rejoin=False)
-                        elif (
-                            p.phase == "away"
-                            and p.churn.rejoin_at is not None
-                            and (swarm_round >= p.churn.rejoin_at or idle())
-                        ):
+                        elif p.phase == "away" and p.churn.rejoin_at is not None:
                             start(p, rejoin=True)
                         elif p.phase == "away" and p.churn.rejoin_at is None:
                             p.phase = "done"

@@ -45,9 +45,11 @@ def build_transport(
     port: int = 0,
     announce: list[str] | None = None,
     start_barrier: bool = False,
+    join_round: int = 0,
 ):
     """This peer's DHT node and swarm transport (hivemind; loopback unless told otherwise).
-    start_barrier: this peer is one of the swarm's initial peers and starts with them."""
+    start_barrier: this peer is one of the swarm's initial peers and starts with them.
+    join_round: started ahead of its schedule, it waits until the swarm finished this round."""
     from ftis.algos.swarm.config import SWARM_SECRET_ENV, membership_settings
     from ftis.algos.swarm.schedule import resolve_churn
     from ftis.exchange.dht import DHTBoard
@@ -80,6 +82,7 @@ def build_transport(
         payload_ttl_s=a.payload_ttl_s,
         start_peers=a.start_peers(cfg) if start_barrier else frozenset(),
         start_timeout_s=a.start_timeout_s,
+        join_round=join_round,
         max_round=cfg.train.steps,
         publish_delay_s=slow_s,
         **membership_settings(a),
@@ -105,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         "--start-barrier",
         action="store_true",
         help="an initial peer: wait for the other initial peers before round 1",
+    )
+    p.add_argument(
+        "--join-round",
+        type=int,
+        default=0,
+        help="started ahead of its schedule: wait until the swarm finished this round",
     )
     p.add_argument("--set", dest="overrides", action="append", default=[])
     args = p.parse_args(argv)
@@ -149,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             port=args.port,
             announce=args.announce,
             start_barrier=args.start_barrier,
+            join_round=args.join_round,
         )
         result = train_node(
             cfg,
