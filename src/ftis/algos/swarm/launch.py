@@ -17,8 +17,9 @@
                 one (algorithm.secret_file or FTIS_SWARM_SECRET), else one drawn for this run,
                 handed to the peers in their environment (FTIS_SWARM_SECRET)
 
-Each peer's progress is its last step report (RUN_DIR/.status/<node>.json). A peer that left or crashed as the schedule said counts as finished; one that failed otherwise fails
-the run (NodesLostError) after the others finished.
+Each peer's progress is its last step report (RUN_DIR/.status/<node>.json). A peer that left or
+crashed as the schedule said counts as finished; one that failed otherwise fails the run
+(NodesLostError) after the others finished.
 """
 
 from __future__ import annotations
