@@ -744,6 +744,7 @@ def test_the_shipped_swarm_configs():
     assert load_config(root / "swarm-hivemind.yaml").algorithm.backend == "hivemind"
 
 
+@pytest.mark.chaos_case("swarm hivemind", "an outsider squats a peer's subkeys")
 def test_an_outsider_cannot_occupy_a_peers_subkey_on_the_dht():
     """Issue 57: an outsider joins the DHT from a peer's address and publishes junk under peer
     0's subkey with a later expiry. Without ownership the DHT keeps the later record and refuses
