@@ -125,8 +125,17 @@ def read_cases(*files: Path) -> list[dict]:
                 "orphan_commands": r.get("chaos_orphan_commands", ""),
                 "seconds": float(r.get("chaos_seconds", 0.0)),
                 "tier": r.get("chaos_tier", "default"),
+                "commit": r.get("commit", "?"),
             }
     return list(found.values())
+
+
+def stamp(results: Path, commit: str) -> None:
+    """Name the commit a fresh run's results came from in each of them, so a merged table can
+    say which case ran on which commit."""
+    if results.exists():
+        lines = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+        results.write_text("".join(json.dumps({**r, "commit": commit}) + "\n" for r in lines))
 
 
 def _commit() -> str:
@@ -155,15 +164,28 @@ def render(
     crashes = sum(c["crashes"] for c in cases)
     orphans = sum(c["orphans"] for c in cases)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    per_commit: dict[str, int] = defaultdict(int)
+    for c in cases:
+        per_commit[c.get("commit", "?")] += 1
+    if len(per_commit) == 1:
+        on = f"on commit {next(iter(per_commit))}"
+    else:  # a merged table: say which cases ran where
+        on = "on commits " + ", ".join(f"{k} ({n} cases)" for k, n in per_commit.items())
     lines = [
         START,
-        f"Produced by `python scripts/chaos_report.py` on commit {_commit()}, {when}"
+        f"Produced by `python scripts/chaos_report.py` {on}, {when}"
         + (f", {wall_s / 60:.0f} minutes" if wall_s is not None else "")
         + f": **{len(cases)} cases, {held} held, {crashes} crashes, {orphans} orphans.**",
         "",
     ]
-    if selection:
+    if selection and len(per_commit) == 1:
         lines += [f"**A selection** of the cases (pytest arguments `{selection}`).", ""]
+    elif selection:
+        lines += [
+            f"Merged: the latest run ran a selection (pytest arguments `{selection}`); the "
+            "other cases are an earlier run's (`--merge`).",
+            "",
+        ]
     if not complete:
         lines += [
             "**Partial:** the run was stopped before its end; the cases below are those that "
@@ -231,6 +253,7 @@ def main() -> int:
     if args.results is None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         code, wall = run_suite(args.out, args.pytest_args)
+        stamp(args.out, _commit())
         files = [*args.merge, args.out]
     else:
         files = [*args.merge, *args.results]

@@ -84,3 +84,28 @@ def test_merging_the_file_this_run_writes_is_refused_before_anything_runs(tmp_pa
     with pytest.raises(SystemExit, match="copy the earlier results elsewhere"):
         chaos_report.main()
     assert ran == [] and results.read_text().count("\n") == 1
+
+
+def test_a_merged_table_names_the_commit_of_each_case(tmp_path):
+    """A table merged from an earlier run and a rerun of a selection names both commits with
+    their case counts, rather than the rerun's commit for every case."""
+    earlier = tmp_path / "a.jsonl"
+    earlier.write_text(
+        "\n".join(
+            [
+                _line("tests/t.py::test_x", "F-TIS", "pause"),
+                _line("tests/t.py::test_y", "FGRPO", "kill"),
+            ]
+        )
+    )
+    chaos_report.stamp(earlier, "aaaaaaa")
+    rerun = tmp_path / "b.jsonl"
+    rerun.write_text(_line("tests/t.py::test_y", "FGRPO", "kill"))
+    chaos_report.stamp(rerun, "bbbbbbb")
+    table = chaos_report.render(
+        chaos_report.read_cases(earlier, rerun), wall_s=None, selection="-k test_y"
+    )
+    assert "on commits aaaaaaa (1 cases), bbbbbbb (1 cases)," in table
+    assert "Merged: the latest run ran a selection (pytest arguments `-k test_y`)" in table
+    alone = chaos_report.render(chaos_report.read_cases(rerun), wall_s=None, selection="-k y")
+    assert "on commit bbbbbbb," in alone and "**A selection**" in alone
