@@ -774,3 +774,27 @@ def test_an_outsider_cannot_occupy_a_peers_subkey_on_the_dht():
     finally:
         for b in reversed(boards):
             b.close()
+
+
+@pytest.mark.slow
+def test_a_sim_swarm_bridges_another_tokenizer_and_keeps_at_most_peer_groups(tmp_path):
+    """A peer on another tokenizer is re-tokenized in the swarm as in F-TIS (its ids are not
+    this peer's), and `peer_groups` (SAPO's J) bounds the peer groups trained on: 3 peers,
+    4 prompts of G=4 a round, J=3 of the 8 peer groups that arrive."""
+    from ftis.algos.swarm.launch import run_swarm
+    from ftis.config import RunConfig
+
+    d = tiny_run_config(steps=3)
+    d["nodes"] = [{**d["nodes"][0], "name": n} for n in ("a", "b", "c")]
+    d["nodes"][2]["model"] = {"preset": "qwen2-bpe"}  # the byte-level BPE tokenizer
+    d["eval"] = {"every": 0, "size": 16}
+    d["algorithm"] = {"kind": "swarm", "max_peers": 8, "peer_groups": 3}
+    result = run_swarm(RunConfig.model_validate(d), tmp_path)
+    assert result.exit_codes == {"a": 0, "b": 0, "c": 0}
+    for name in "abc":
+        rows = [r for r in _rows(tmp_path, name) if r["step"] >= 1]
+        assert len(rows) == 3
+        assert all(r["swarm/peer_groups_used"] == 3 for r in rows), rows
+        assert all(r["swarm/samples_received"] == 3 * 4 for r in rows), rows
+        # a and b re-tokenize c's samples, c theirs: the bridge ran on every peer
+        assert all("bridge/samples" in r for r in rows), rows

@@ -165,13 +165,13 @@ def bridge_refusal(tokenizer, name: str) -> str | None:
 def bridge_blocker(cfg, rank: int, tokenizer) -> str | None:
     """Why node `rank` of run config `cfg` cannot take the bridged path (a key of
     `ftis.exchange.group.BRIDGE_BLOCKERS`), or None: its algorithm must be the sample
-    exchange ("ftis"), its loss method one with a bridged form, its tokenizer able to decode
+    exchange ("ftis", or the swarm built on it), its loss method one with a bridged form, its tokenizer able to decode
     the text it produces (`bridge_refusal`)."""
     from ftis.core.bridge import BRIDGED_METHODS
     from ftis.core.losses import resolve_method
 
     node = cfg.nodes[rank]
-    if cfg.algorithm.kind != "ftis":
+    if cfg.algorithm.kind not in ("ftis", "swarm"):
         return "algorithm"
     if resolve_method(node.loss.method)[0] not in BRIDGED_METHODS:
         return "method"

@@ -9,7 +9,9 @@
     validate    a peer's batch may only answer this round's prompts, at most G per prompt;
                 samples from a policy more than `max_staleness` steps behind this peer's, or
                 drawn with top-k / top-p truncation, are dropped and counted; then at most
-                `max_peers_used` peers' batches are kept (drawn at random)
+                `max_peers_used` peers' batches are kept (drawn at random); a peer on another
+                tokenizer is re-tokenized (F-TIS's bridged path, docs/math.md §16); then at
+                most `peer_groups` peer groups (SAPO's J) are kept, drawn at random
     learn       F-TIS's own score / advantages / update (ftis.algos.ftis.algorithm.learn):
                 a group holds one peer's G completions of a prompt (`groups: generator`,
                 the default), or every present peer's (`groups: prompt`)
@@ -25,6 +27,8 @@ from __future__ import annotations
 import logging
 import random
 from typing import Any
+
+import torch
 
 from ftis.algos.ftis import sharing
 from ftis.algos.ftis.algorithm import FTISAlgorithm
@@ -102,6 +106,11 @@ class SwarmAlgorithm:
             rejected = self._validate(received, indices, step)
             judged = self._judge(received, step)
             self._subsample(received, step)
+        bridged: dict[str, float] = {}
+        if inner.bridged_peers:
+            with inner.timer("bridge"):
+                bridged = inner._bridge(received, step)
+        groups_used = self._take_groups(received, step)
         if inner.hacpo is not None:
             # a peer not heard from in a capability window is forgotten (it left, or lags)
             inner.hacpo.forget(step)
@@ -110,7 +119,36 @@ class SwarmAlgorithm:
         metrics.update(inner._exchange_metrics(own, batch, rejected))
         metrics.update(self._swarm_metrics(received, rejected))
         metrics.update(judged)
+        metrics.update(bridged)
+        metrics["swarm/peer_groups_used"] = float(groups_used)
         return metrics
+
+    def _take_groups(self, received: list[RolloutBatch | None], step: int) -> int:
+        """Keep at most `peer_groups` (SAPO's J) of the peers' groups, one group being one
+        peer's completions of one prompt, drawn by (seed, step, peer): the same every time.
+        Returns how many peer groups are left to train on."""
+        j = self.ctx.cfg.algorithm.peer_groups
+        rank = self.inner.rank
+        keys = [
+            (p, q)
+            for p, b in enumerate(received)
+            if b is not None and p != rank
+            for q in sorted(set(b.prompt_index.tolist()))
+        ]
+        if j is None or len(keys) <= j:
+            return len(keys)
+        rng = random.Random(adversary_seed(self.ctx.cfg.train.seed, step, rank) + 2)
+        chosen = rng.sample(keys, j)
+        for p, b in enumerate(received):
+            if b is None or p == rank:
+                continue
+            mine = [q for pp, q in chosen if pp == p]
+            if not mine:
+                received[p] = None
+                continue
+            keep = torch.isin(b.prompt_index, torch.tensor(mine, device=b.prompt_index.device))
+            received[p] = b.select(keep)  # after bridging: no text is needed any more
+        return j
 
     def _judge(self, received: list[RolloutBatch | None], step: int) -> dict[str, float]:
         """Drop (and count) the peers' samples this peer must not train on: from a policy more

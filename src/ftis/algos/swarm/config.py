@@ -32,6 +32,11 @@ class SwarmConfig(AlgorithmConfig):
     max_peers_used: train on at most this many peers' batches per round besides one's own
         (drawn at random per round, as SAPO mixes a few external rollouts with its own); None:
         all that arrived. Bounds a round's update in a large swarm.
+    peer_groups: train on at most this many peer groups per round (a group: one peer's G
+        completions of one prompt), drawn at random by (seed, round, peer) from those that
+        passed the checks and `max_peers_used`: SAPO's J external rollouts next to its
+        I = train.prompts_per_step own groups (I=4, J=4 is SAPO's best mix). None: all; 0:
+        train on one's own samples only, while still publishing them for the others.
     groups: what an advantage group is. generator (default): one peer's G completions of a
         prompt, each model's samples measured against its own baseline (the F-TIS paper's
         per-generator groups); prompt: every present peer's completions of the prompt, up to
@@ -77,6 +82,7 @@ class SwarmConfig(AlgorithmConfig):
     start_timeout_s: float = Field(600.0, gt=0)
     max_payload_mb: float = Field(4.0, gt=0)
     max_peers_used: int | None = Field(None, ge=0)
+    peer_groups: int | None = Field(None, ge=0)
     groups: Literal["generator", "prompt"] = "generator"
     initial_peers: list[str] = Field(default_factory=list)
     churn: dict[str, ChurnConfig] = Field(default_factory=dict)
