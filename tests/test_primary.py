@@ -124,3 +124,28 @@ def test_a_primary_comparison_with_an_unknown_key_is_refused(tmp_path):
     ]
     with pytest.raises(StudyError, match="margin"):
         load_study(_study(tmp_path, bad))
+
+
+def test_a_node_pattern_compares_the_mean_over_a_kind_of_peer(tmp_path):
+    """`node: "*"` (a glob: a kind of swarm peer) pairs, seed by seed, the mean over the nodes it
+    matches of their outcomes per problem; a pattern that matches no node is refused."""
+    both = [
+        {
+            "name": "F-TIS vs HACPO, every node",
+            "a": {"method": "f-tis", "node": "*"},
+            "b": {"method": "hacpo", "node": "*er"},
+        }
+    ]
+    study = load_study(_study(tmp_path, both))
+    ((_, d, _, _),) = evaluate(study, RUNS)
+
+    def mean(m: str, s: int) -> float:
+        return float(
+            np.mean([_last(f"expertise-{m}-j-s{s}", n, "test") for n in ("adder", "multiplier")])
+        )
+
+    diffs = [mean("f-tis", s) - mean("hacpo", s) for s in range(3)]
+    assert d.seeds == 3 and d.mean == pytest.approx(np.mean(diffs))
+    bad = [{"name": "x", "a": {"method": "f-tis", "node": "div*"}, "b": both[0]["b"]}]
+    with pytest.raises(StudyError, match="no node 'div\\*'"):
+        load_study(_study(tmp_path, bad))

@@ -22,6 +22,7 @@ other cell of the document is exploratory.
 
 from __future__ import annotations
 
+import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -40,18 +41,26 @@ def arm_outcomes(
 ) -> tuple[dict[int, np.ndarray], dict[int, int]]:
     """seed -> (P,) outcomes of `ref.node` on `split` at the run's last evaluation, and seed ->
     that step, over the complete runs of the grid point `ref` names (a run not done, or
-    without that node or split in evals.jsonl, is left out)."""
+    without that node or split in evals.jsonl, is left out). A glob pattern (`llama-s-*`, a
+    kind of swarm peer) gives the mean over the nodes it matches, each at its own last
+    evaluation (a peer that left for good was last evaluated when it left); the step is the
+    latest of theirs."""
     outcomes: dict[int, np.ndarray] = {}
     steps: dict[int, int] = {}
     for run in study.runs_of(ref):
         run_dir = Path(out_dir) / run.id
         if run_status(run_dir, run.config) != "done" or not (run_dir / "evals.jsonl").is_file():
             continue
-        node = read_evals(run_dir).get(ref.node, {})
-        if split not in node:
+        evals = read_evals(run_dir)
+        found = [
+            evals[n][split]
+            for n in sorted(evals)
+            if fnmatch.fnmatchcase(n, ref.node) and split in evals[n]
+        ]
+        if not found:
             continue
-        outcomes[run.seed] = node[split].correct[-1]
-        steps[run.seed] = int(node[split].steps[-1])
+        outcomes[run.seed] = np.mean([f.correct[-1].astype(float) for f in found], axis=0)
+        steps[run.seed] = max(int(f.steps[-1]) for f in found)
     return outcomes, steps
 
 

@@ -136,7 +136,10 @@ class ArmRef(StrictModel):
 
     pairing: str | None = Field(None, description="Pairing key; may be left out with one pairing.")
     method: str = Field(description="Method key.")
-    node: str = Field(description="The node whose evaluations are compared.")
+    node: str = Field(
+        description="The node whose evaluations are compared; a glob pattern (llama-s-*) "
+        "names a kind of peer, whose outcome per problem is the mean over its nodes."
+    )
     scheme: Literal["vertical", "horizontal", "joint"] | None = Field(
         None, description="Sharing scheme; may be left out where the method runs under one."
     )
@@ -296,7 +299,7 @@ class Study:
                 f"({', '.join(sorted({r.variant for r in found}))}): give the scheme"
             )
         nodes = [n.name for n in found[0].config.nodes]
-        if ref.node not in nodes:
+        if not any(fnmatch.fnmatchcase(n, ref.node) for n in nodes):
             raise StudyError(
                 f"study {self.path}: {where}: runs {found[0].id} have no node {ref.node!r} "
                 f"(nodes: {', '.join(nodes)})"
