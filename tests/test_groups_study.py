@@ -204,7 +204,11 @@ def test_swarm_arms(tmp_path):
             *STUDY["grid"],
             {"pairings": ["s"], "methods": ["swarm-alone", "hacpo"], "schemes": ["joint"]},
         ],
-        "options": {**STUDY["options"], "swarm": {"s": "swarm-alone"}},
+        "options": {
+            **STUDY["options"],
+            "swarm": {"s": "swarm-alone"},
+            "sapo": {"s": "swarm-alone"},
+        },
     }
     (tmp_path / "g2.yaml").write_text(yaml.safe_dump(_group(2)))
     (tmp_path / "g3.yaml").write_text(yaml.safe_dump(_group(3)))
@@ -226,6 +230,13 @@ def test_swarm_arms(tmp_path):
                 if e["node"] == "b-0" and e["step"] == 0:
                     e["step"] = 1
             (out / run.id / "evals.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+            # SAPO's measure: a-0's own reward 0.5 a round with HACPO, 0.25 alone; b-0's 0.25
+            rows = [
+                json.loads(x) for x in (out / run.id / "metrics.jsonl").read_text().splitlines()
+            ]
+            for r in rows:
+                r["reward/own"] = 0.5 if (r["node"], run.method) == ("a-0", "hacpo") else 0.25
+            (out / run.id / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
             if run.method == "hacpo":  # a-0 all right on every split
                 evals = [
                     json.loads(x) for x in (out / run.id / "evals.jsonl").read_text().splitlines()
@@ -250,6 +261,9 @@ def test_swarm_arms(tmp_path):
         "at least half the run whose change is an interval above zero: Alone in the swarm 0 of 2; HACPO 1 of 2."
         in swarm
     )
+    sapo = swarm.split("### SAPO's measure", 1)[1]
+    assert f"| `a` (1) | 0.50 | 1.00: {bold} |" in sapo  # +100%: twice the cumulative reward
+    assert "| `b` (1) | 0.50 | 0.50: 0.0 [0.0, 0.0] |" in sapo
     # the swarm's methods are not rows of the groups' tables, nor the swarm a group
     assert (
         "Alone in the swarm"
