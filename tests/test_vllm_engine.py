@@ -304,3 +304,40 @@ def test_the_bf16_copy_and_the_engine_are_not_asked_for_together():
 
     with pytest.raises(ValidationError, match="train.vllm.dtype"):
         TrainConfig(rollout_engine="vllm", sampler_dtype="bfloat16")
+
+
+@needs_vllm
+def test_a_simulated_swarm_samples_through_the_engine(tmp_path):
+    """The swarm's peers (two, in one process under the simulator, each with its own engine)
+    draw their rollouts through vLLM, trade them and train on each other's samples."""
+    from ftis.algos.swarm.launch import run_swarm
+    from ftis.config import RunConfig
+    from ftis.launch.multi import LaunchError
+    from ftis.train.metrics import read_metrics
+    from tests.conftest import tiny_run_config
+
+    d = tiny_run_config(
+        steps=2,
+        max_new_tokens=6,
+        rollout_engine="vllm",
+        vllm={"kv_cache_gib": 1, "max_model_len": 128},
+    )
+    # llama-xs's head size (16) is below what vLLM's CPU attention runs: a clear error first
+    d["nodes"] = [{**d["nodes"][0], "name": n} for n in ("a", "b")]
+    d["eval"] = {"every": 0, "size": 16}
+    d["algorithm"] = {"kind": "swarm", "max_peers": 4}
+    with pytest.raises(LaunchError, match="head size that is a multiple of 32.*this model's is 16"):
+        run_swarm(RunConfig.model_validate(d), tmp_path / "xs")
+    d["nodes"] = [{**n, "model": {"preset": "llama-m"}} for n in d["nodes"]]
+    result = run_swarm(RunConfig.model_validate(d), tmp_path)
+    assert result.exit_codes == {"a": 0, "b": 0}
+    rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["step"] >= 1]
+    assert {r["node"] for r in rows} == {"a", "b"} and len(rows) == 4
+    assert all(r["swarm/peers_used"] == 1 for r in rows), rows
+    # each peer's rows say when its engine started and that every round pushed its weights
+    for name in "ab":
+        mine = [r for r in rows if r["node"] == name]
+        assert all(r["engine/start_s"] > 0 and r["engine/push_s"] > 0 for r in mine), mine
+        assert mine[-1]["engine/push_s_total"] == pytest.approx(
+            sum(r["engine/push_s"] for r in mine), rel=1e-6
+        )

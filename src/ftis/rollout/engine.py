@@ -201,6 +201,17 @@ class VllmEngine:
             int(getattr(config, "max_position_embeddings", 4096) or 4096), 4096
         )
         if self.device.type == "cpu":
+            head = getattr(config, "head_dim", None) or (
+                int(config.hidden_size) // int(config.num_attention_heads)
+            )
+            if head % 32 or not 32 <= head <= 512:
+                # vLLM's CPU attention kernels would fail later, at the first sample, with
+                # "Unsupported CPU attention configuration"
+                raise EngineUnavailable(
+                    f"vLLM's CPU attention needs a head size that is a multiple of 32 (32..512); "
+                    f"this model's is {head} (hidden_size / num_attention_heads): use another "
+                    "model (e.g. preset llama-m) or set train.rollout_engine: ftis"
+                )
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
         self._dir = Path(tempfile.mkdtemp(prefix="ftis-vllm-"))
         t0 = time.perf_counter()

@@ -37,7 +37,7 @@ from ftis.train.checkpoint import load_latest_checkpoint, save_checkpoint
 from ftis.train.context import NodeContext
 from ftis.train.evaluate import collect_outcomes, greedy_cache
 from ftis.train.metrics import EvalLogger, MetricLogger
-from ftis.train.node import build_node
+from ftis.train.node import Node, build_node
 from ftis.train.seeds import node_seed
 from ftis.train.timing import PhaseTimer
 
@@ -212,6 +212,7 @@ def train_node(
     saved = start if found is not None else -1
     lost: TransportLost | None = None
     starved: NoTrainingSignal | None = None
+    pushed = 0.0  # seconds the vLLM engine spent taking weights, up to the last row
     try:
         with stop.installed():
             for step in range(start + 1, tc.steps + 1):
@@ -231,6 +232,8 @@ def train_node(
                     log.warning("node %s: step %d dropped: %s", node.name, step, e)
                     break
                 metrics["train/step_seconds"] = time.perf_counter() - t_step
+                metrics.update(_engine_metrics(node, pushed))
+                pushed = node.engine.push_seconds if node.engine is not None else 0.0
                 metrics.update(_transport_metrics(transport, sent, totals))
                 metrics["memory/peak_rss_mb"] = peak_rss_mb()
                 metrics["train/elapsed_seconds"] = time.perf_counter() - t_start
@@ -320,6 +323,19 @@ def _starved(
         "needs every peer's share of a group) and the task's difficulty, or set "
         "train.max_steps_without_signal (0 = never stop)"
     )
+
+
+def _engine_metrics(node: Node, pushed_before: float) -> dict[str, float]:
+    """train.rollout_engine vllm: the engine's start-up seconds, and the seconds this step and
+    the run so far spent pushing the trainer's weights into it (nothing without an engine)."""
+    engine = node.engine
+    if engine is None:
+        return {}
+    return {
+        "engine/start_s": engine.start_seconds,
+        "engine/push_s": engine.push_seconds - pushed_before,
+        "engine/push_s_total": engine.push_seconds,
+    }
 
 
 def _transport_metrics(transport: Transport, before, totals: dict[str, float]) -> dict[str, float]:
