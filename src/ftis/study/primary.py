@@ -98,6 +98,12 @@ def evaluate(
     return out
 
 
+def _bold_where_excluded(d: PairedDifference) -> str:
+    """The interval cell, bold where its printed ends exclude zero (as every table's is)."""
+    text = d.cells()
+    return f"**{text}**" if d.seeds >= 2 and printed_excludes_zero(d) else text
+
+
 def _side(ref: ArmRef) -> str:
     extra = [x for x in (ref.pairing, ref.scheme) if x]
     if ref.threshold is not None:
@@ -123,10 +129,10 @@ def primary_lines(study: Any, out_dir: Path) -> list[str]:
                 c.split,
                 note,
                 str(d.seeds),
-                d.cells() if d.seeds else "-",
+                _bold_where_excluded(d) if d.seeds else "-",
                 half,
                 _verdict(d),
-                "-" if e is None else f"{e.cells()}: {_equivalent(e, c.equivalence)}",
+                "-" if e is None else f"{_bold_where_excluded(e)}: {_equivalent(e, c.equivalence)}",
             ]
         )
     header = [
