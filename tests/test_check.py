@@ -58,3 +58,24 @@ def test_check_refuses_a_config_error_with_exit_2(tmp_path):
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(data))
     res = CliRunner().invoke(app, ["check", str(tmp_path / "run.yaml")])
     assert res.exit_code == 2 and "stepz" in res.output
+
+
+def test_the_estimate_counts_the_processes_that_compute_at_once():
+    """The swarm simulator runs every peer in one process, one after another: its estimate is
+    the whole work on one core, not the work shared by every core."""
+    from ftis.check import NodePlan, Plan
+
+    node = NodePlan(
+        name="a",
+        model="llama-xs",
+        trainable=1,
+        total=1,
+        generated_per_step=1.0,
+        trained_per_step=1,
+        step_seconds=1.0,
+        eval_seconds=0.0,
+        peak_rss_mib=1.0,
+    )
+    four = [node] * 4
+    assert Plan("x", 10, 0, four, cores=2).total_seconds == 20.0  # 40 s of work on 2 cores
+    assert Plan("x", 10, 0, four, cores=2, busy=1).total_seconds == 40.0

@@ -52,14 +52,19 @@ class Plan:
     evaluations: int
     nodes: list[NodePlan]
     cores: int
+    # how many of the run's processes compute at once (the swarm simulator: 1, every peer in
+    # one process, one after another); None: one per node
+    busy: int | None = None
 
     @property
     def total_seconds(self) -> float:
-        """Every node's steps and evaluations, nodes side by side on the cores they share."""
+        """Every node's steps and evaluations, the run's busy processes side by side on the
+        cores they share."""
         work = sum(
             n.step_seconds * self.steps + n.eval_seconds * self.evaluations for n in self.nodes
         )
-        return work / max(1, min(len(self.nodes), self.cores))
+        busy = len(self.nodes) if self.busy is None else self.busy
+        return work / max(1, min(busy, self.cores))
 
 
 def evaluations_of(cfg: Any) -> int:
@@ -163,7 +168,14 @@ def plan_run(cfg: Any, *, eval_probe: int = 64) -> Plan:
             )
         )
         del probe, node
-    return Plan(cfg.name, cfg.train.steps, evaluations_of(cfg), plans, os.cpu_count() or 1)
+    return Plan(
+        cfg.name,
+        cfg.train.steps,
+        evaluations_of(cfg),
+        plans,
+        os.cpu_count() or 1,
+        busy=cfg.algorithm.busy_processes(cfg),
+    )
 
 
 def _term_scores(task: Any, problems: list, texts: list[str]):

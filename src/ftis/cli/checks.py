@@ -63,8 +63,13 @@ def check(
             )
     out.print(
         f"estimate: {fmt_seconds(plan.total_seconds)} for {plan.steps} steps and "
-        f"{plan.evaluations} evaluations on this machine ({len(plan.nodes)} node(s) on "
-        f"{plan.cores} core(s); from one probe step per node, rough)"
+        f"{plan.evaluations} evaluations on this machine ({len(plan.nodes)} node(s)"
+        + (
+            f" in {plan.busy} process(es) computing at once"
+            if plan.busy is not None and plan.busy != len(plan.nodes)
+            else ""
+        )
+        + f" on {plan.cores} core(s); from one probe step per node, rough)"
     )
 
 
