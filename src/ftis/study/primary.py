@@ -31,7 +31,7 @@ import numpy as np
 from ftis.study.runner import run_status
 from ftis.study.spec import ArmRef, PrimaryComparison, Study
 from ftis.study.stats import NO_DIFFERENCE, PairedDifference, paired_difference, read_evals
-from ftis.study.tables import printed_excludes_zero, table
+from ftis.study.tables import interval_cell, printed_excludes_zero, table
 
 ALPHA = 0.05
 
@@ -98,12 +98,6 @@ def evaluate(
     return out
 
 
-def _bold_where_excluded(d: PairedDifference) -> str:
-    """The interval cell, bold where its printed ends exclude zero (as every table's is)."""
-    text = d.cells()
-    return f"**{text}**" if d.seeds >= 2 and printed_excludes_zero(d) else text
-
-
 def _side(ref: ArmRef) -> str:
     extra = [x for x in (ref.pairing, ref.scheme) if x]
     if ref.threshold is not None:
@@ -129,10 +123,10 @@ def primary_lines(study: Any, out_dir: Path) -> list[str]:
                 c.split,
                 note,
                 str(d.seeds),
-                _bold_where_excluded(d) if d.seeds else "-",
+                interval_cell(d) if d.seeds else "-",
                 half,
                 _verdict(d),
-                "-" if e is None else f"{_bold_where_excluded(e)}: {_equivalent(e, c.equivalence)}",
+                "-" if e is None else f"{interval_cell(e)}: {_equivalent(e, c.equivalence)}",
             ]
         )
     header = [

@@ -233,7 +233,7 @@ def train_node(
                     break
                 metrics["train/step_seconds"] = time.perf_counter() - t_step
                 metrics.update(_engine_metrics(node, pushed))
-                pushed = node.engine.push_seconds if node.engine is not None else 0.0
+                pushed = metrics.get("engine/push_s_total", 0.0)
                 metrics.update(_transport_metrics(transport, sent, totals))
                 metrics["memory/peak_rss_mb"] = peak_rss_mb()
                 metrics["train/elapsed_seconds"] = time.perf_counter() - t_start
